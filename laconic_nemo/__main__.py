@@ -1,0 +1,5 @@
+import sys
+
+from laconic_nemo.cli import main
+
+sys.exit(main())

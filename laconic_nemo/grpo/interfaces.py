@@ -141,3 +141,31 @@ class PolicyActor(Protocol):
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         ...
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's model weights only (a warmed-up or initial policy)."""
+        ...
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        ...
+
+    def reset_optimizer(self, lr: float) -> None:
+        """Fresh optimiser state and scheduler at learning rate ``lr`` (e.g. between warm-up and RL)."""
+        ...
+
+    def set_learning_rate(self, lr: float) -> None:
+        ...
+
+    def snapshot_reference(self) -> None:
+        """Make the current weights the reference policy pi_ref of the KL term."""
+        ...
+
+
+def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[N, seq_len - 1] float mask, 1 where position t scores a response token (token t + 1).
+
+    prompt_lengths, response_lengths: LongTensor [N]."""
+    t = torch.arange(seq_len - 1).unsqueeze(0)
+    start = (prompt_lengths - 1).unsqueeze(1)
+    end = (prompt_lengths + response_lengths - 1).unsqueeze(1)
+    return ((t >= start) & (t < end)).float()

@@ -1,0 +1,164 @@
+"""Recipe loading and validation.
+
+A recipe is a YAML file. It may name parent recipes in a ``defaults:`` list (paths relative to the
+recipe's folder, ``.yaml`` optional); parents are merged first, in order, then the recipe itself,
+then command-line overrides (OmegaConf dotlist, e.g. ``laconic.budget=1000``). Every key must be
+defined in ``recipes/base.yaml``, which documents each one: an unknown key is an error naming it,
+so a typo never silently falls back to a default.
+
+``validate_config`` checks ranges and cross-field constraints that do not depend on the cluster
+layout; ``laconic_nemo.launch_plan`` adds the layout checks (TP x PP x DP, batch divisibility).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
+REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key and the allowed values."""
+
+
+def base_config_path() -> Path:
+    for folder in (REPO_RECIPES, PACKAGE_RECIPES):
+        if (folder / "base.yaml").is_file():
+            return folder / "base.yaml"
+    raise ConfigError("recipes/base.yaml not found next to the package")
+
+
+def resolve_recipe_path(name: str | Path) -> Path:
+    """A recipe path, or a bare recipe name looked up in the recipes folder."""
+    p = Path(name)
+    candidates = [p, p.with_suffix(".yaml")] if p.suffix != ".yaml" else [p]
+    for folder in (REPO_RECIPES, PACKAGE_RECIPES):
+        candidates += [folder / p.name, folder / f"{p.name}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise ConfigError(f"recipe {str(name)!r} not found (looked for {', '.join(str(c) for c in candidates[:4])})")
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    if path in seen:
+        raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(str(s) for s in (*seen, path))}")
+    raw = OmegaConf.load(path)
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: a recipe must be a mapping")
+    parents = raw.pop("defaults", None) or []
+    if isinstance(parents, (str,)):
+        parents = [parents]
+    if not isinstance(parents, (list, ListConfig)):
+        raise ConfigError(f"{path}: `defaults` must be a list of recipe names")
+    merged = OmegaConf.create({})
+    for parent in parents:
+        parent_path = (path.parent / str(parent))
+        if parent_path.suffix != ".yaml":
+            parent_path = parent_path.with_suffix(".yaml")
+        if not parent_path.is_file():
+            raise ConfigError(f"{path}: defaults entry {parent!r} not found at {parent_path}")
+        merged = OmegaConf.merge(merged, _load_with_defaults(parent_path.resolve(), (*seen, path)))
+    return OmegaConf.merge(merged, raw)
+
+
+def _check_known_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> None:
+    for key in cfg.keys():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            known = ", ".join(sorted(str(k) for k in schema.keys()))
+            raise ConfigError(f"unknown config key {dotted!r} (known keys here: {known})")
+        sub, sub_schema = cfg[key], schema[key]
+        if isinstance(sub_schema, DictConfig) and isinstance(sub, DictConfig):
+            _check_known_keys(sub, sub_schema, prefix=f"{dotted}.")
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool = True) -> DictConfig:
+    """Load ``path`` with its defaults chain and ``overrides``; reject unknown keys.
+
+    Returns a resolved DictConfig (interpolations such as ``${run.name}`` expanded)."""
+    recipe = resolve_recipe_path(path)
+    schema = OmegaConf.load(base_config_path())
+    cfg = _load_with_defaults(recipe)
+    _check_known_keys(cfg, schema)
+    cfg = OmegaConf.merge(schema, cfg)
+    overrides = list(overrides)
+    if overrides:
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like key=value")
+        try:
+            ov = OmegaConf.from_dotlist(overrides)
+        except Exception as exc:  # omegaconf raises several grammar errors
+            raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from exc
+        _check_known_keys(ov, schema)
+        cfg = OmegaConf.merge(cfg, ov)
+    OmegaConf.resolve(cfg)
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def _require(cond: bool, key: str, allowed: str, value) -> None:
+    if not cond:
+        raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
+
+
+SHAPERS = ("laconic", "linear", "fixed", "grpo", "l1_exact", "l1_max", "efficient", "overlong")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Range and cross-field checks that need no cluster information. Raises ConfigError."""
+    r, m, g, lc, ro, o = cfg.run, cfg.model, cfg.grpo, cfg.laconic, cfg.rollout, cfg.optim
+    _require(int(r.num_steps) >= 1, "run.num_steps", "an integer >= 1", r.num_steps)
+    _require(m.source in ("synthetic", "hf", "nemo"), "model.source", "one of synthetic, hf, nemo", m.source)
+    if m.source in ("hf", "nemo"):
+        _require(bool(m.path), "model.path", "a checkpoint path when model.source is hf or nemo", m.path)
+    _require(m.precision in ("fp32", "bf16", "fp16"), "model.precision", "one of fp32, bf16, fp16", m.precision)
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        v = cfg.parallel[key]
+        _require(isinstance(v, int) and v >= 1, f"parallel.{key}", "an integer >= 1", v)
+    _require(cfg.parallel.backend in ("auto", "nccl", "gloo"), "parallel.backend", "auto, nccl or gloo",
+             cfg.parallel.backend)
+    _require(float(o.lr) > 0, "optim.lr", "> 0", o.lr)
+    _require(float(o.grad_clip) >= 0, "optim.grad_clip", ">= 0 (0 disables)", o.grad_clip)
+    _require(int(g.num_prompts_per_step) >= 1, "grpo.num_prompts_per_step", "an integer >= 1", g.num_prompts_per_step)
+    _require(int(g.group_size) >= 2, "grpo.group_size", "an integer >= 2 (group advantages need G >= 2)",
+             g.group_size)
+    rollout_size = int(g.num_prompts_per_step) * int(g.group_size)
+    _require(int(g.minibatch_size) >= 1 and rollout_size % int(g.minibatch_size) == 0, "grpo.minibatch_size",
+             f"a divisor of num_prompts_per_step * group_size = {rollout_size}", g.minibatch_size)
+    _require(int(g.micro_batch_size) >= 1, "grpo.micro_batch_size", "an integer >= 1", g.micro_batch_size)
+    _require(0 < float(g.clip_eps) < 1, "grpo.clip_eps", "in (0, 1)", g.clip_eps)
+    if g.clip_eps_high is not None:
+        _require(float(g.clip_eps_high) >= float(g.clip_eps), "grpo.clip_eps_high", ">= grpo.clip_eps or null",
+                 g.clip_eps_high)
+    _require(float(g.kl_beta) >= 0, "grpo.kl_beta", ">= 0", g.kl_beta)
+    _require(g.loss_aggregation in ("seq_mean_token_mean", "token_mean"), "grpo.loss_aggregation",
+             "seq_mean_token_mean or token_mean", g.loss_aggregation)
+    _require(lc.shaper in SHAPERS, "laconic.shaper", f"one of {', '.join(SHAPERS)}", lc.shaper)
+    budget, lmax = float(lc.budget), int(ro.max_new_tokens)
+    _require(math.isfinite(budget) and budget > 0, "laconic.budget", "a number > 0 (tokens)", lc.budget)
+    _require(lmax >= 1, "rollout.max_new_tokens", "an integer >= 1", ro.max_new_tokens)
+    if lc.shaper in ("laconic", "linear", "fixed"):
+        _require(lmax > budget, "laconic.budget", f"< rollout.max_new_tokens = {lmax} (L_max must exceed B)",
+                 lc.budget)
+    _require(float(lc.eta) >= 0, "laconic.eta", ">= 0", lc.eta)
+    _require(float(lc.floor) >= 0, "laconic.floor", ">= 0", lc.floor)
+    if lc.ceiling is not None:
+        _require(float(lc.ceiling) >= float(lc.floor), "laconic.ceiling", ">= laconic.floor or null", lc.ceiling)
+    _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
+    _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)
+    _require(ro.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", ro.engine)
+    _require(cfg.reward.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", cfg.reward.kind)
+    _require(float(cfg.reward.timeout_s) > 0, "reward.timeout_s", "> 0 seconds", cfg.reward.timeout_s)
+    _require(0 <= float(cfg.reward.format_weight) < 1, "reward.format_weight", "in [0, 1)", cfg.reward.format_weight)
+    _require(int(cfg.checkpoint.every_n_steps) >= 0, "checkpoint.every_n_steps", ">= 0 (0: only at the end)",
+             cfg.checkpoint.every_n_steps)
+    _require(int(cfg.checkpoint.keep_last) >= 1, "checkpoint.keep_last", "an integer >= 1",
+             cfg.checkpoint.keep_last)

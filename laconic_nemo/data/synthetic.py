@@ -1,0 +1,140 @@
+"""A synthetic verifiable task on which response length buys accuracy (the tiny CPU demo).
+
+Problem: the sum modulo 10 of ``k`` single digits, ``k`` drawn from ``[min_terms, max_terms]``::
+
+    prompt:   "Q:3+5+2+7\\n"
+    answer:   "7"
+
+Three ways of answering, mixed in the warm-up (supervised) data:
+
+* **worked** (long, reliable): one line per partial sum, then the boxed answer::
+
+      3+5=8;8+2=0;0+7=7;\\boxed{7}
+
+  Each line is a single-digit addition mod 10, which a tiny model learns well, so the worked
+  style is right almost always. Its length grows with ``k`` (6 characters per step).
+* **padded worked**: the same, preceded by ``filler`` repetitions of a thinking phrase ("hmm. "),
+  which costs length and changes nothing about correctness (the filler is BEFORE the work, so it
+  cannot disturb the arithmetic).
+* **abbreviated** (short, unreliable): the boxed answer alone, ``\\boxed{7}``. A tiny model cannot
+  add several digits in one step, so this style is right mostly for small ``k``.
+
+With the budget B between the abbreviated mean length (9) and the worked mean length (~33 for
+k in [2, 8]), the length constraint is active at the optimum: a policy at B must give up some
+worked solutions, and LACONIC's lambda settles above zero with the mean length at B. Plain GRPO
+has no reason to shorten (worked answers score best), so it stays well above B.
+
+The character-level :class:`CharTokenizer` maps each character to one token, so "tokens" and
+characters coincide and the lengths above are the L of the cost.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+PAD, EOS = "<pad>", "<eos>"
+ALPHABET = "0123456789+=;:Q\n\\boxed{}hm. "
+
+
+class CharTokenizer:
+    """One token per character of :data:`ALPHABET`, plus ``<pad>`` (id 0) and ``<eos>`` (id 1)."""
+
+    def __init__(self, alphabet: str = ALPHABET):
+        chars = sorted(set(alphabet))
+        self.itos = [PAD, EOS, *chars]
+        self.stoi = {c: i for i, c in enumerate(self.itos)}
+        self.pad_id, self.eos_id = 0, 1
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in the tokenizer alphabet {ALPHABET!r}") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.itos[i] for i in ids if i > 1 and i < len(self.itos))
+
+
+@dataclass(frozen=True)
+class Problem:
+    terms: tuple[int, ...]
+
+    @property
+    def prompt(self) -> str:
+        return "Q:" + "+".join(str(t) for t in self.terms) + "\n"
+
+    @property
+    def answer(self) -> str:
+        return str(sum(self.terms) % 10)
+
+
+FILLER = "hmm. "
+
+
+def worked_solution(problem: Problem, filler: int = 0) -> str:
+    """The worked style: ``filler`` thinking phrases, one line per partial sum, the boxed answer."""
+    parts = [FILLER * filler]
+    acc = problem.terms[0]
+    for t in problem.terms[1:]:
+        new = (acc + t) % 10
+        parts.append(f"{acc}+{t}={new};")
+        acc = new
+    parts.append(f"\\boxed{{{acc}}}")
+    return "".join(parts)
+
+
+def abbreviated_solution(problem: Problem) -> str:
+    return f"\\boxed{{{problem.answer}}}"
+
+
+@dataclass
+class SyntheticTask:
+    """Generator of problems and warm-up solutions.
+
+    min_terms, max_terms: range of k (inclusive).
+    p_abbreviated: share of warm-up solutions in the abbreviated style.
+    max_filler: padded solutions carry uniform 0..max_filler filler phrases.
+    """
+
+    min_terms: int = 2
+    max_terms: int = 8
+    p_abbreviated: float = 0.2
+    max_filler: int = 4
+
+    def __post_init__(self):
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"data.synthetic: need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not 0.0 <= self.p_abbreviated <= 1.0:
+            raise ValueError(f"data.synthetic.p_abbreviated = {self.p_abbreviated} must be in [0, 1]")
+
+    def problem(self, rng: random.Random) -> Problem:
+        k = rng.randint(self.min_terms, self.max_terms)
+        return Problem(tuple(rng.randint(0, 9) for _ in range(k)))
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        rng = random.Random(seed)
+        return [self.problem(rng) for _ in range(n)]
+
+    def warmup_example(self, rng: random.Random) -> tuple[str, str]:
+        """(prompt, response) for supervised warm-up, styles mixed as configured."""
+        p = self.problem(rng)
+        if rng.random() < self.p_abbreviated:
+            return p.prompt, abbreviated_solution(p)
+        return p.prompt, worked_solution(p, filler=rng.randint(0, self.max_filler))
+
+    def style_lengths(self) -> dict[str, float]:
+        """Expected response length (tokens, EOS excluded) of each style under this task's k range."""
+        ks = range(self.min_terms, self.max_terms + 1)
+        worked = sum(6 * (k - 1) + 9 for k in ks) / len(ks)
+        filler = len(FILLER) * self.max_filler / 2
+        return {
+            "abbreviated": 9.0,
+            "worked": worked,
+            "padded_worked": worked + filler,
+            "warmup_mix": self.p_abbreviated * 9.0 + (1 - self.p_abbreviated) * (worked + filler),
+        }

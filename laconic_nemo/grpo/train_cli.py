@@ -1,0 +1,211 @@
+"""`laconic-nemo train RECIPE [key=value ...]`: GRPO + LACONIC on the megatron-core actor.
+
+Run from a plain shell, the command starts itself under torchrun with ``--nprocs`` processes
+(default: TP x PP, i.e. one data-parallel replica); under torchrun or srun (``WORLD_SIZE`` set) it
+trains directly. The recipe is loaded and validated before any process, model or data exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from laconic_nemo.config import ConfigError, load_config
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a policy with GRPO + LACONIC from a recipe",
+                              description=__doc__)
+    p.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml) or recipe name")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. laconic.budget=30)")
+    p.add_argument("--nprocs", type=int, default=None,
+                   help="processes to start when not already under torchrun (default TP x PP)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"laconic-nemo train: {exc}", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" not in os.environ:
+        model_parallel = int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
+        nprocs = args.nprocs or model_parallel
+        if nprocs % model_parallel:
+            print(f"laconic-nemo train: --nprocs {nprocs} must be a multiple of TP x PP = {model_parallel}",
+                  file=sys.stderr)
+            return 2
+        if nprocs > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+                   "-m", "laconic_nemo.grpo.train_cli", args.recipe, *args.overrides]
+            print("launching: " + " ".join(cmd), flush=True)
+            return subprocess.call(cmd)
+    return train(cfg)
+
+
+def _warmup_cache_dir(cfg: DictConfig) -> Path:
+    key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
+    key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
+    key["seed"] = int(cfg.run.seed)
+    key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    key["warmup"].pop("cache_dir", None)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
+    return root / f"policy_{digest}"
+
+
+def build_task(cfg: DictConfig):
+    """(encode, decode, eos_id, pad_id, prompts, reward_fn, warmup_example or None) for the recipe."""
+    if cfg.data.kind == "synthetic":
+        from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
+        from laconic_nemo.rewards import extract_answer
+
+        tok = CharTokenizer()
+        task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
+        problems = task.problems(int(cfg.data.num_prompts), seed=int(cfg.run.seed))
+        prompts = [(p.prompt, p.answer) for p in problems]
+
+        def reward_fn(texts, answers):
+            extracted = [extract_answer(t) for t in texts]
+            scores = [1.0 if e is not None and e.strip() == a else 0.0 for e, a in zip(extracted, answers)]
+            no_answer = sum(e is None for e in extracted)
+            return scores, {"accuracy": sum(scores) / len(scores), "no_answer": no_answer / len(scores)}
+
+        def warmup_example(rng: random.Random):
+            prompt, response = task.warmup_example(rng)
+            return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
+
+        return tok.encode, tok.decode, tok.eos_id, tok.pad_id, prompts, reward_fn, warmup_example
+
+    from laconic_nemo.data.datasets import load_math_prompts
+    from laconic_nemo.rewards import MathReward
+
+    if cfg.model.source != "hf":
+        raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    grader = MathReward(num_workers=int(cfg.reward.num_workers), timeout_s=float(cfg.reward.timeout_s),
+                        format_weight=float(cfg.reward.format_weight))
+
+    def reward_fn(texts, answers):
+        res = grader.score(texts, answers)
+        return res.scores, res.metrics
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return encode, decode, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, \
+        [(i.prompt, i.answer) for i in items], reward_fn, None
+
+
+def train(cfg: DictConfig) -> int:
+    import torch
+
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.grpo.plots import plot_training_curves
+    from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
+    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+
+    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    info = init_distributed(int(cfg.parallel.tensor_model_parallel_size),
+                            int(cfg.parallel.pipeline_model_parallel_size),
+                            backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))
+    is_logger = info.rank == 0
+
+    def log(msg: str):
+        if is_logger:
+            print(msg, flush=True)
+
+    try:
+        encode, decode, eos_id, pad_id, prompts, reward_fn, warmup_example = build_task(cfg)
+        if cfg.data.kind == "synthetic":
+            from laconic_nemo.data.synthetic import CharTokenizer
+
+            OmegaConf.update(cfg, "model.vocab_size", CharTokenizer().vocab_size)
+        actor = MegatronCoreActor.from_config(cfg)
+        log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
+            f"({info.device}); prompts {len(prompts)}; output {cfg.run.output_dir}")
+        trainer = GRPOTrainer(cfg, actor, encode, decode, prompts, reward_fn, eos_id)
+        if int(cfg.warmup.num_steps) > 0 and trainer.find_resume_checkpoint() is None:
+            _warmup(cfg, actor, warmup_example, pad_id, info, log)
+        status = trainer.fit()
+        if is_logger and trainer.history:
+            s = summarize(trainer.history)
+            log("summary: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+            if cfg.logging.plot:
+                png = plot_training_curves(Path(cfg.run.output_dir) / "metrics.jsonl",
+                                           Path(cfg.run.output_dir) / "training_curves.png",
+                                           title=f"{cfg.run.name}: shaper {cfg.laconic.shaper}, B={cfg.laconic.budget}")
+                log(f"wrote {png}")
+        return 0 if status == "finished" else 3
+    finally:
+        destroy_distributed()
+
+
+def _warmup(cfg, actor, warmup_example, pad_id, info, log):
+    import torch
+    import torch.distributed as dist
+
+    from laconic_nemo.grpo.warmup import supervised_warmup
+
+    if warmup_example is None:
+        raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
+    cache = _warmup_cache_dir(cfg)
+    shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
+    if (cache / "done").is_file():
+        actor.load_model_state(torch.load(shard, weights_only=False))
+        log(f"warm-up: loaded cached policy {cache}")
+    else:
+        log(f"warm-up: {cfg.warmup.num_steps} supervised steps, batch {cfg.warmup.batch_size}")
+        actor.set_learning_rate(float(cfg.warmup.lr))
+        supervised_warmup(actor, warmup_example, int(cfg.warmup.num_steps), int(cfg.warmup.batch_size),
+                          int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log)
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid() if info.rank == 0 else ''}")
+        if info.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        tmp_list = [str(tmp)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(tmp_list, src=0)
+        tmp = Path(tmp_list[0])
+        if actor.dp_rank == 0:
+            torch.save(actor.model_state(), tmp / shard.name)
+        if dist.is_initialized():
+            dist.barrier()
+        if info.rank == 0:
+            (tmp / "done").write_text("ok")
+            if not cache.exists():
+                os.replace(tmp, cache)
+        if dist.is_initialized():
+            dist.barrier()
+        log(f"warm-up: cached policy in {cache}")
+    # RL starts from the warmed-up weights with a fresh optimiser at the RL learning rate; this
+    # policy is also the reference for the KL term.
+    actor.reset_optimizer(lr=float(cfg.optim.lr))
+    actor.snapshot_reference()
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="laconic-nemo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

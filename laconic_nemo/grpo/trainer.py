@@ -1,0 +1,427 @@
+"""The GRPO + LACONIC training loop, written against :class:`~laconic_nemo.grpo.interfaces.PolicyActor`.
+
+One step (every rank runs the same code, SPMD):
+
+1. the step's prompts (a function of seed and step alone), this DP rank's contiguous share,
+   each repeated G times (groups whole on the rank);
+2. rollout ``actor.generate`` -> tokens, lengths L (generated tokens, EOS excluded), truncation;
+3. task reward r on the decoded responses (graded once per model-parallel group, broadcast);
+4. the shaper: cost, Lagrangian reward ``l = r - lambda * c`` (or a baseline's shaping);
+5. group-normalised advantages ``A = (l - mean_G) / (std_G + eps)``;
+6. pi_old (and pi_ref) log-probs, then the clipped-surrogate policy update over minibatches, the
+   loss normalised by GLOBAL token / sequence counts so DP and micro-batching leave it unchanged;
+7. dual step ``lambda <- clip(lambda + eta * (mean_L / B - 1), floor, Lambda)`` where mean_L is
+   the exact global mean (int64 all-reduce of the sum of L and the count over DP): every rank
+   computes the same Python float from the same integers, so lambda agrees bit for bit;
+8. metrics (one progress line, one JSON object per step in ``metrics.jsonl``), checkpoint.
+
+Checkpoints (``<output_dir>/checkpoints/step_XXXXXX``) hold the model + optimiser shard of each
+(TP, PP) coordinate (written by DP rank 0), every rank's RNG state, and ``trainer_state.json``
+(step, shaper / lambda-controller state, config). They are written into a ``.tmp`` folder and
+renamed once complete, and ``latest`` is replaced atomically, so a crash never leaves a
+half-written checkpoint that resume would pick. SIGUSR1 / SIGTERM make the loop checkpoint at the
+end of the current step and stop (the launch scripts requeue the job, which resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from laconic_nemo.core import group_advantages, shaper_from_config
+from laconic_nemo.data.sampler import PromptSampler, shard_prompts
+from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
+from laconic_nemo.grpo.loss import make_grpo_loss_fn
+
+# (responses, reference answers) -> (scores in [0, 1], metrics)
+RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
+
+PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
+    """Sum of ``values`` over ``group`` (no-op without torch.distributed). Returns a CPU tensor."""
+    t = torch.as_tensor(values, dtype=dtype).clone()
+    if _dist_ready():
+        backend = dist.get_backend(group)
+        if backend == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.cpu()
+
+
+@dataclass
+class Timer:
+    seconds: dict[str, float]
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+class GRPOTrainer:
+    """Runs ``cfg.run.num_steps`` GRPO + LACONIC steps of ``actor`` on ``prompts``.
+
+    cfg: the resolved recipe (recipes/base.yaml schema).
+    actor: any PolicyActor (megatron-core or NeMo-Aligner).
+    encode / decode: tokenizer functions (text -> ids, ids -> text).
+    prompts: the dataset, a list of (prompt text, reference answer).
+    reward_fn: task reward, see :data:`RewardFn`.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        actor: PolicyActor,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[Sequence[int]], str],
+        prompts: Sequence[tuple[str, Any]],
+        reward_fn: RewardFn,
+        eos_id: int,
+    ):
+        self.cfg, self.actor = cfg, actor
+        self.encode, self.decode = encode, decode
+        self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
+        g = cfg.grpo
+        self.G = int(g.group_size)
+        self.num_steps = int(cfg.run.num_steps)
+        dp = actor.dp_size
+        if int(g.num_prompts_per_step) % dp:
+            raise ValueError(f"grpo.num_prompts_per_step = {g.num_prompts_per_step} must be divisible by DP = {dp}")
+        rollout = int(g.num_prompts_per_step) * self.G
+        if int(g.minibatch_size) % dp or rollout % int(g.minibatch_size):
+            raise ValueError(
+                f"grpo.minibatch_size = {g.minibatch_size} must divide the rollout batch {rollout} "
+                f"and be divisible by DP = {dp}"
+            )
+        self.local_minibatch = int(g.minibatch_size) // dp
+        self.shaper = shaper_from_config(OmegaConf.to_container(cfg.laconic, resolve=True),
+                                         max_length=int(cfg.rollout.max_new_tokens))
+        self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
+                                     bool(cfg.data.shuffle))
+        self.out = Path(cfg.run.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.rank = dist.get_rank() if _dist_ready() else 0
+        self.world = dist.get_world_size() if _dist_ready() else 1
+        self.is_logger = self.rank == 0
+        self.step = 0
+        self._stop_signal: int | None = None
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ signals / preemption
+    def _install_signal_handlers(self):
+        def handler(signum, _frame):
+            self._stop_signal = signum
+
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # not the main thread (e.g. under some test runners)
+                pass
+
+    def _should_stop(self) -> bool:
+        flag = allreduce_sum([1.0 if self._stop_signal is not None else 0.0])
+        return bool(flag.item() > 0)
+
+    # ------------------------------------------------------------------ one step
+    def _rollout(self, step: int, timer: Timer):
+        indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
+        items = [self.prompts[i] for i in indices for _ in range(self.G)]
+        prompt_ids = [self.encode(p) for p, _ in items]
+        sampling = SamplingParams(
+            temperature=float(self.cfg.rollout.temperature),
+            top_p=float(self.cfg.rollout.top_p),
+            max_new_tokens=int(self.cfg.rollout.max_new_tokens),
+            eos_id=self.eos_id,
+            seed=(int(self.cfg.run.seed) * 1_000_003 + step) * 1_009 + self.actor.dp_rank,
+        )
+        with timer("generate"):
+            gen = self.actor.generate(prompt_ids, sampling)
+        texts = [
+            self.decode(gen.tokens[i, p : p + r].tolist())
+            for i, (p, r) in enumerate(zip(gen.prompt_lengths.tolist(), gen.response_lengths.tolist()))
+        ]
+        with timer("reward"):
+            scores, reward_metrics = self._grade(texts, [a for _, a in items])
+        return gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics
+
+    def _grade(self, texts, answers):
+        """Grade on the first rank of the model-parallel group and broadcast (identical inputs there)."""
+        group = getattr(self.actor, "model_parallel_group", None)
+        if group is None or not _dist_ready() or dist.get_world_size(group) == 1:
+            return self.reward_fn(texts, answers)
+        leader = dist.get_global_rank(group, 0)
+        payload = [self.reward_fn(texts, answers) if self.rank == leader else None]
+        dist.broadcast_object_list(payload, src=leader, group=group)
+        return payload[0]
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        timer = Timer({})
+        t_start = time.perf_counter()
+        gen, texts, task_reward, reward_metrics = self._rollout(step, timer)
+
+        with timer("shape_advantage"):
+            lengths = gen.lengths.to(torch.long)
+            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, gen.truncated.bool(), self.G)
+            advantages = group_advantages(shaped, self.G, eps=float(self.cfg.grpo.advantage_eps),
+                                          leave_one_out=bool(self.cfg.grpo.leave_one_out))
+
+        batch = TrainBatch(
+            tokens=gen.tokens,
+            prompt_lengths=gen.prompt_lengths,
+            response_lengths=gen.response_lengths,
+            response_mask=response_mask(gen.prompt_lengths, gen.response_lengths, gen.tokens.shape[1]),
+            advantages=advantages.float(),
+        )
+        with timer("logprobs"):
+            batch.old_logprobs = self.actor.logprobs(batch) * batch.response_mask
+            if float(self.cfg.grpo.kl_beta) > 0:
+                batch.ref_logprobs = self.actor.logprobs(batch, reference=True) * batch.response_mask
+
+        with timer("policy_update"):
+            update_metrics = self._policy_update(batch)
+
+        with timer("dual_step"):
+            # Exact global mean length: integer sums over DP, then one float division (same on every rank).
+            sums = allreduce_sum([int(lengths.sum()), lengths.numel()], group=self.actor.dp_group, dtype=torch.int64)
+            global_mean_length = float(sums[0].item()) / float(sums[1].item())
+            lam_used = float(self.shaper.lam)
+            lam_next = float(self.shaper.dual_update(global_mean_length))
+
+        metrics = self._global_metrics(shaper_metrics, reward_metrics, update_metrics, gen, task_reward)
+        metrics.update(
+            step=step + 1,
+            mean_response_length=global_mean_length,
+            budget=float(self.cfg.laconic.budget),
+            **{"lambda": lam_used, "lambda_next": lam_next},
+        )
+        metrics["step_seconds"] = time.perf_counter() - t_start
+        for phase in PHASES:
+            metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
+        if self.is_logger:
+            metrics["sample_response"] = texts[0][:200]
+        return metrics
+
+    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+        g = self.cfg.grpo
+        n_local = len(batch)
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for start in range(0, n_local, self.local_minibatch):
+            mb = batch.select(slice(start, start + self.local_minibatch))
+            counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
+            loss_fn = make_grpo_loss_fn(
+                clip_eps=float(g.clip_eps),
+                clip_eps_high=None if g.clip_eps_high is None else float(g.clip_eps_high),
+                kl_beta=float(g.kl_beta),
+                aggregation=str(g.loss_aggregation),
+                global_num_tokens=max(float(counts[0]), 1.0),
+                global_num_seqs=float(counts[1]),
+            )
+            out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n_updates += 1
+        return {f"train/{k}": v / n_updates for k, v in sums.items()}
+
+    def _global_metrics(self, shaper_metrics, reward_metrics, update_metrics, gen: GenerationOutput, task_reward):
+        """Means over the whole global batch (every DP shard has the same size, so the mean of the
+        shard means is the global mean); the policy-update metrics are already global."""
+        local = {f"shaper/{k}": float(v) for k, v in shaper_metrics.items()}
+        local.update({f"reward/{k}": float(v) for k, v in reward_metrics.items() if isinstance(v, (int, float))})
+        local["task_reward"] = float(task_reward.mean())
+        local["truncated_fraction"] = float(gen.truncated.float().mean())
+        local["frac_over_budget"] = float((gen.lengths.float() > float(self.cfg.laconic.budget)).float().mean())
+        keys = sorted(local)
+        reduced = allreduce_sum([local[k] for k in keys], group=self.actor.dp_group) / self.actor.dp_size
+        out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
+        out.update(update_metrics)
+        return out
+
+    # ------------------------------------------------------------------ checkpoint / resume
+    def _ckpt_dir(self, step: int) -> Path:
+        return self.ckpt_root / f"step_{step:06d}"
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
+        final = self._ckpt_dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_logger:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        tp = getattr(self.actor, "tp_rank", 0)
+        pp = getattr(self.actor, "pp_rank", 0)
+        if self.actor.dp_rank == 0:
+            torch.save(self.actor.state_dict_for_checkpoint(), tmp / f"model_tp{tp:02d}_pp{pp:02d}.pt")
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            },
+            tmp / f"rng_rank{self.rank:05d}.pt",
+        )
+        if self.is_logger:
+            state = {
+                "step": step,
+                "shaper": self.shaper.state_dict(),
+                "world_size": self.world,
+                "dp_size": self.actor.dp_size,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        self._barrier()
+        if self.is_logger:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = self.ckpt_root / "latest.tmp"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, self.ckpt_root / "latest")
+            self._prune_checkpoints()
+        self._barrier()
+        return final
+
+    def _prune_checkpoints(self):
+        done = sorted(p for p in self.ckpt_root.glob("step_*") if not p.name.endswith(".tmp"))
+        for old in done[: -int(self.cfg.checkpoint.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def find_resume_checkpoint(self) -> Path | None:
+        mode = str(self.cfg.checkpoint.resume)
+        if mode == "never":
+            return None
+        if mode != "auto":
+            p = Path(mode)
+            if not (p / "trainer_state.json").is_file():
+                raise FileNotFoundError(f"checkpoint.resume = {mode!r} is not a checkpoint folder")
+            return p
+        latest = self.ckpt_root / "latest"
+        if latest.is_file():
+            p = self.ckpt_root / latest.read_text().strip()
+            if (p / "trainer_state.json").is_file():
+                return p
+        done = sorted(p for p in self.ckpt_root.glob("step_*") if (p / "trainer_state.json").is_file())
+        return done[-1] if done else None
+
+    def load_checkpoint(self, path: Path) -> int:
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state["dp_size"] != self.actor.dp_size or state["world_size"] != self.world:
+            raise ValueError(
+                f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
+                f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
+            )
+        tp = getattr(self.actor, "tp_rank", 0)
+        pp = getattr(self.actor, "pp_rank", 0)
+        self.actor.load_checkpoint_state(torch.load(path / f"model_tp{tp:02d}_pp{pp:02d}.pt", weights_only=False))
+        rng = torch.load(path / f"rng_rank{self.rank:05d}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.shaper.load_state_dict(state["shaper"])
+        return int(state["step"])
+
+    def _barrier(self):
+        if _dist_ready():
+            dist.barrier()
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, m: dict[str, Any]):
+        if not self.is_logger:
+            return
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        if m["step"] % int(self.cfg.run.log_every) == 0 or m["step"] == self.num_steps:
+            print(
+                f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
+                f"mean_len {m['mean_response_length']:7.1f} (B {m['budget']:.0f}) | "
+                f"task_reward {m['task_reward']:.3f} | over_budget {m['frac_over_budget']:.2f} | "
+                f"{m['step_seconds']:.2f}s",
+                flush=True,
+            )
+
+    def _truncate_metrics(self, upto_step: int):
+        path = self.out / "metrics.jsonl"
+        if not self.is_logger or not path.is_file():
+            return
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ main loop
+    def fit(self) -> str:
+        """Train until ``run.num_steps``; returns "finished" or "preempted"."""
+        if self.is_logger:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+        self._barrier()
+        resume = self.find_resume_checkpoint()
+        if resume is not None:
+            self.step = self.load_checkpoint(resume)
+            if self.is_logger:
+                print(f"resumed from {resume} at step {self.step} (lambda {self.shaper.lam:.6f})", flush=True)
+        self._truncate_metrics(self.step)
+        self._install_signal_handlers()
+        every = int(self.cfg.checkpoint.every_n_steps)
+        while self.step < self.num_steps:
+            m = self.train_step(self.step)
+            self.step += 1
+            stop = self._should_stop()
+            t0 = time.perf_counter()
+            if stop or self.step == self.num_steps or (every and self.step % every == 0):
+                self.save_checkpoint(self.step)
+            m["time/checkpoint"] = time.perf_counter() - t0
+            self.history.append(m)
+            self._log(m)
+            if stop:
+                if self.is_logger:
+                    print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
+                          file=sys.stderr, flush=True)
+                return "preempted"
+        return "finished"
+
+
+def summarize(history: list[dict]) -> dict[str, float]:
+    """Start/end means over the first and last tenth of the steps (for the closing report)."""
+    n = max(1, math.ceil(len(history) / 10))
+    first, last = history[:n], history[-n:]
+
+    def mean(rows, k):
+        return float(np.mean([r[k] for r in rows]))
+
+    return {
+        "start_length": mean(first, "mean_response_length"),
+        "end_length": mean(last, "mean_response_length"),
+        "start_reward": mean(first, "task_reward"),
+        "end_reward": mean(last, "task_reward"),
+        "end_lambda": float(history[-1]["lambda_next"]),
+    }

@@ -1,0 +1,45 @@
+"""Recipe loading: defaults chain, overrides, unknown keys and range errors name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from laconic_nemo.config import ConfigError, load_config
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def test_tiny_recipe_composes_with_base_and_overrides():
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", ["laconic.budget=25", "run.name=x"])
+    assert cfg.laconic.budget == 25 and cfg.run.output_dir == "results/x"  # interpolation resolved after override
+    assert cfg.grpo.clip_eps == 0.2  # inherited from base
+    assert cfg.parallel.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("laconic.budgte=3", "laconic.budgte"),
+        ("laconic.budget=0", "laconic.budget"),
+        ("laconic.budget=200", "laconic.budget"),  # L_max = 96 must exceed B
+        ("grpo.group_size=1", "grpo.group_size"),
+        ("grpo.minibatch_size=7", "grpo.minibatch_size"),
+        ("laconic.shaper=foo", "laconic.shaper"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("laconic.ceiling=-1", "laconic.ceiling"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPES / "tiny_cpu.yaml", [override])
+    assert key in str(err.value)
+
+
+def test_unknown_key_in_a_recipe_file(tmp_path):
+    (tmp_path / "base.yaml").write_text((RECIPES / "base.yaml").read_text())
+    (tmp_path / "r.yaml").write_text("defaults: [base]\ngrpo:\n  groupsize: 4\n")
+    with pytest.raises(ConfigError, match="grpo.groupsize"):
+        load_config(tmp_path / "r.yaml")
+    (tmp_path / "c.yaml").write_text("defaults: [c]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "c.yaml")

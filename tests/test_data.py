@@ -1,0 +1,86 @@
+"""Prompt sampler, DP sharding, response masks, the synthetic task and the prompt datasets."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from laconic_nemo.data.datasets import load_math_prompts, read_rows, render
+from laconic_nemo.data.sampler import PromptSampler, shard_prompts
+from laconic_nemo.data.synthetic import CharTokenizer, Problem, SyntheticTask, abbreviated_solution, worked_solution
+from laconic_nemo.grpo.interfaces import response_mask
+
+
+def test_sampler_covers_each_epoch_once_and_is_a_function_of_step():
+    s = PromptSampler(num_prompts=10, prompts_per_step=4, seed=3)
+    seen = [i for step in range(5) for i in s.batch(step)]  # 20 draws = exactly 2 epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]  # reshuffled each epoch
+    fresh = PromptSampler(num_prompts=10, prompts_per_step=4, seed=3)
+    assert fresh.batch(3) == s.batch(3)  # resume needs only the step number
+    assert PromptSampler(10, 4, seed=3, shuffle=False).batch(1) == [4, 5, 6, 7]
+
+
+def test_shards_partition_the_batch_and_keep_groups_whole():
+    batch = list(range(100, 116))
+    shards = [shard_prompts(batch, r, 4) for r in range(4)]
+    assert [i for s in shards for i in s] == batch
+    G = 8
+    # groups are formed after sharding: every sample of prompt p lives on the rank that owns p
+    owner = {p: r for r, s in enumerate(shards) for p in s}
+    for r, s in enumerate(shards):
+        rows = [p for p in s for _ in range(G)]
+        assert all(owner[p] == r for p in rows) and len(rows) == 4 * G
+    with pytest.raises(ValueError, match="num_prompts_per_step"):
+        shard_prompts(list(range(6)), 0, 4)
+
+
+def test_response_mask_marks_exactly_the_positions_scoring_response_tokens():
+    pl, rl, T = torch.tensor([3, 1]), torch.tensor([2, 4]), 6
+    m = response_mask(pl, rl, T)
+    # row 0: tokens 3,4 are the response -> scored at positions 2,3; row 1: tokens 1..4 -> positions 0..3
+    assert m.tolist() == [[0, 0, 1, 1, 0], [1, 1, 1, 1, 0]]
+    assert m.sum(1).tolist() == rl.float().tolist()
+
+
+def test_synthetic_solutions_are_right_and_have_the_documented_lengths():
+    task = SyntheticTask(min_terms=2, max_terms=8, max_filler=6)
+    rng = random.Random(0)
+    for _ in range(200):
+        p = task.problem(rng)
+        assert 2 <= len(p.terms) <= 8
+        w = worked_solution(p, filler=3)
+        assert w.endswith(f"\\boxed{{{sum(p.terms) % 10}}}")
+        assert len(worked_solution(p)) == 6 * (len(p.terms) - 1) + 9
+        assert len(w) - len(worked_solution(p)) == 3 * len("hmm. ")
+        assert abbreviated_solution(p) == f"\\boxed{{{p.answer}}}"
+    # expected lengths: exact enumeration over k agrees with style_lengths()
+    ks = range(2, 9)
+    assert task.style_lengths()["worked"] == pytest.approx(sum(6 * (k - 1) + 9 for k in ks) / 7)
+    assert Problem((9, 9, 3)).answer == "1" and Problem((9, 9, 3)).prompt == "Q:9+9+3\n"
+
+
+def test_char_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer()
+    s = "Q:1+2\nhmm. 1+2=3;\\boxed{3}"
+    ids = tok.encode(s)
+    assert len(ids) == len(s) and tok.decode(ids + [tok.eos_id, tok.pad_id]) == s
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("Z")
+
+
+def test_math_prompts_from_json_and_jsonl(tmp_path):
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "x?", "answer": ["3\n"]}]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    items = load_math_prompts([tmp_path / "a.json", tmp_path / "b.jsonl"], "plain")
+    assert [i.prompt for i in items] == ["1+1?", "x?"] * 2 and items[1].answer == ["3\n"]
+    assert "\\boxed{}" in render("deepseek_r1", "P") and render("deepseek_r1", "P").count("P") == 1
+    (tmp_path / "bad.json").write_text(json.dumps([{"question": "q"}]))
+    with pytest.raises(ValueError, match="problem"):
+        load_math_prompts([tmp_path / "bad.json"], "plain")
+    with pytest.raises(ValueError, match="prompt_template"):
+        render("nope", "P")
+    with pytest.raises(FileNotFoundError):
+        read_rows(tmp_path / "missing.json")

@@ -1,0 +1,75 @@
+"""Group-normalised advantages of GRPO (step 5 of LACONIC)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from laconic_nemo.core.costs import float_dtype_of
+
+__all__ = ["group_advantages", "check_group_size"]
+
+
+def check_group_size(n: int, group_size: int) -> int:
+    """Check that ``group_size`` is an int >= 1 dividing ``n``; return it."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if n % group_size != 0:
+        raise ValueError(f"the number of responses ({n}) must be divisible by group_size ({group_size}): "
+                         "each prompt's G responses must be contiguous")
+    return group_size
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, leave_one_out: bool = False
+) -> torch.Tensor:
+    """Per-response advantage ``A_i = (l_i - mean_group(l)) / (std_group(l) + eps)``.
+
+    ``std_group`` is the POPULATION standard deviation of the group (divide by G, not G - 1).
+    Groups whose members are all equal (zero spread) get exactly ``A = 0``.
+
+    With ``leave_one_out=True`` the baseline of response i is the mean of the OTHER G - 1 members,
+    ``A_i = (l_i - mean_{j != i} l_j) / (std_group(l) + eps)``; since ``l_i - mean_{j != i} l_j =
+    G / (G - 1) * (l_i - mean_group(l))`` this is the default advantage scaled by ``G / (G - 1)``
+    (needs G >= 2).
+
+    Computed in float64; the advantages still sum to zero over each group (up to rounding).
+
+    Args:
+        rewards: flat tensor [num_prompts * G] of (shaped) rewards; each prompt's G responses contiguous.
+        group_size: G >= 1.
+        eps: >= 0, added to the group std.
+        leave_one_out: use the leave-one-out mean as baseline.
+
+    Returns:
+        tensor [num_prompts * G] in the input's float dtype (default float dtype for integer input).
+    """
+    if not isinstance(rewards, torch.Tensor):
+        rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a flat tensor [num_prompts * group_size], got shape {tuple(rewards.shape)}")
+    if rewards.dtype == torch.bool or rewards.is_complex():
+        raise ValueError(f"rewards must be a real integer or float tensor, got dtype {rewards.dtype}")
+    n = rewards.numel()
+    check_group_size(n, group_size)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if leave_one_out and group_size < 2:
+        raise ValueError(f"leave_one_out needs group_size >= 2, got group_size={group_size}")
+    out_dtype = float_dtype_of(rewards)
+    if n == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    r = rewards.detach().to(torch.float64).view(-1, group_size)
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite (found NaN or inf)")
+    mean = r.mean(dim=1, keepdim=True)
+    centered = r - mean
+    std = centered.square().mean(dim=1, keepdim=True).sqrt()
+    if leave_one_out:
+        centered = centered * (group_size / (group_size - 1))
+    adv = centered / (std + eps)
+    # Exact zero for groups with no spread (the mean of equal floats can differ from them by rounding).
+    flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
+    adv = adv.masked_fill(flat, 0.0)
+    return adv.view(-1).to(out_dtype)

@@ -368,6 +368,15 @@ class GRPOTrainer:
                 flush=True,
             )
 
+    def _rank_trace(self, m: dict[str, Any]):
+        folder = self.out / "rank_trace"
+        folder.mkdir(parents=True, exist_ok=True)
+        row = {"step": m["step"], "rank": self.rank, "dp_rank": self.actor.dp_rank,
+               "lambda": float(m["lambda"]).hex(), "lambda_next": float(m["lambda_next"]).hex(),
+               "mean_response_length": float(m["mean_response_length"]).hex()}
+        with (folder / f"rank{self.rank:05d}.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def _truncate_metrics(self, upto_step: int):
         path = self.out / "metrics.jsonl"
         if not self.is_logger or not path.is_file():
@@ -402,6 +411,8 @@ class GRPOTrainer:
             m["time/checkpoint"] = time.perf_counter() - t0
             self.history.append(m)
             self._log(m)
+            if self.cfg.logging.rank_trace:
+                self._rank_trace(m)
             if stop:
                 if self.is_logger:
                     print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",

@@ -1,0 +1,132 @@
+"""The trainer end to end on real megatron-core over gloo (2 CPU processes under torchrun).
+
+* resume after step k reproduces the uninterrupted run's metrics for steps k+1.. bit for bit;
+* with DP = 2 every rank holds the same lambda, bit for bit, each step;
+* SIGUSR1 makes the run checkpoint at the end of the step and stop; rerunning finishes the run;
+* the tiny LACONIC run's behaviour (slow): mean length from above B to within 10% of B over the last
+  tenth of the steps, lambda > 0 at the end, task reward no more than 5 points below its start, while
+  the same run with the `grpo` shaper ends more than 20% above B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+# A smaller, faster variant of the tiny recipe for the mechanics tests (behaviour does not matter there).
+FAST = [
+    "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "warmup.num_steps=20",
+    "grpo.num_prompts_per_step=4", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4",
+    "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "logging.plot=false",
+]
+TIMING_KEYS = ("step_seconds", "time/")
+
+
+def run_train(args, out: Path, env_extra=None, timeout=900, check=True):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "laconic_nemo", "train", *args, f"run.output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def strip_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+
+def test_resume_after_step_k_equals_the_uninterrupted_run(tmp_path):
+    cache = f"warmup.cache_dir={tmp_path / 'cache'}"
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_train([TINY, *FAST, cache, "run.num_steps=4", "checkpoint.every_n_steps=2"], full)
+    run_train([TINY, *FAST, cache, "run.num_steps=2", "checkpoint.every_n_steps=2"], cut)
+    assert [r["step"] for r in metrics(cut)] == [1, 2]
+    proc = run_train([TINY, *FAST, cache, "run.num_steps=4", "checkpoint.every_n_steps=2"], cut)
+    assert "resumed from" in proc.stdout
+    a, b = metrics(full), metrics(cut)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert strip_timing(ra) == strip_timing(rb), f"step {ra['step']} differs after resume"
+    # the run actually trained: lambda moved and the policy changed between steps
+    assert any(r["lambda_next"] != r["lambda"] for r in a)
+    latest = (cut / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_000004" and not list((cut / "checkpoints").glob("*.tmp"))
+
+
+def test_data_parallel_ranks_hold_the_same_lambda_bit_for_bit(tmp_path):
+    out = tmp_path / "dp"
+    run_train(["--nprocs", "2", TINY, *FAST, "parallel.tensor_model_parallel_size=1", "run.num_steps=3",
+               "logging.rank_trace=true", "checkpoint.every_n_steps=0"], out)
+    traces = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in (out / "rank_trace").glob("*")}
+    assert len(traces) == 2
+    r0, r1 = traces["rank00000.jsonl"], traces["rank00001.jsonl"]
+    assert {r0[0]["dp_rank"], r1[0]["dp_rank"]} == {0, 1}  # really two data-parallel replicas
+    for a, b in zip(r0, r1):
+        assert (a["lambda"], a["lambda_next"], a["mean_response_length"]) == (
+            b["lambda"], b["lambda_next"], b["mean_response_length"])
+    assert float.fromhex(r0[-1]["lambda_next"]) != 0.0
+
+
+def test_sigusr1_checkpoints_and_stops_then_resume_finishes(tmp_path):
+    out = tmp_path / "sig"
+    args = [sys.executable, "-m", "laconic_nemo", "train", TINY, *FAST, "run.num_steps=200",
+            "checkpoint.every_n_steps=0", f"warmup.cache_dir={tmp_path / 'cache'}", f"run.output_dir={out}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").is_file() and metrics(out):
+            break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the run produced no step in time")
+    os.killpg(proc.pid, signal.SIGUSR1)  # as Slurm's --signal does: every process of the job
+    stdout, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, stdout[-3000:]
+    done = metrics(out)
+    assert 1 <= len(done) < 200
+    last = (out / "checkpoints" / "latest").read_text().strip()
+    assert last == f"step_{done[-1]['step']:06d}"
+    proc2 = run_train([TINY, *FAST, "run.num_steps=" + str(done[-1]["step"] + 2), "checkpoint.every_n_steps=0",
+                       f"warmup.cache_dir={tmp_path / 'cache'}"], out)
+    assert "resumed from" in proc2.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, done[-1]["step"] + 3))
+
+
+@pytest.mark.slow
+def test_tiny_run_tracks_the_budget_and_grpo_does_not(tmp_path):
+    cache = f"warmup.cache_dir={tmp_path / 'cache'}"
+    lac, grpo = tmp_path / "laconic", tmp_path / "grpo"
+    run_train([TINY, cache], lac, timeout=1200)
+    run_train([str(ROOT / "recipes" / "tiny_cpu_grpo.yaml"), cache], grpo, timeout=1200)
+    m, g = metrics(lac), metrics(grpo)
+    B = m[0]["budget"]
+    n = max(1, math.ceil(len(m) / 10))
+    assert m[0]["mean_response_length"] > B, "the warmed-up policy must start above the budget"
+    tail = m[-n:]
+    assert all(abs(r["mean_response_length"] - B) <= 0.1 * B for r in tail), [r["mean_response_length"] for r in tail]
+    assert m[-1]["lambda_next"] > 0
+    start_reward = sum(r["task_reward"] for r in m[:n]) / n
+    end_reward = sum(r["task_reward"] for r in tail) / n
+    assert end_reward >= start_reward - 0.05, (start_reward, end_reward)
+    g_tail = sum(r["mean_response_length"] for r in g[-n:]) / n
+    assert g_tail > 1.2 * B, g_tail
+    assert all(r["lambda"] == 0.0 for r in g)
+    assert (lac / "training_curves.png").stat().st_size > 10_000

@@ -83,6 +83,16 @@ def test_converges_to_fixed_point_mean_length_equals_budget():
             assert e1 / e0 == pytest.approx(1 - eta * gamma, abs=1e-9)
 
 
+def test_step_between_one_and_two_over_gamma_converges_with_overshoot():
+    B, m0, gamma = 1500.0, 1.6, 2.0  # lam* = 0.3
+    mu = lambda lam: B * max(m0 - gamma * lam, 0.0)  # noqa: E731
+    d = DualController(B, eta=0.8, ceiling=1.0)  # 1 - eta * gamma = -0.6
+    path = _run(d, mu, 200)
+    errs = [lam - 0.3 for lam in path[:6]]
+    assert all(a * b < 0 for a, b in zip(errs, errs[1:]))  # alternates around the fixed point
+    assert path[-1] == pytest.approx(0.3, abs=1e-12)
+
+
 def test_large_step_oscillates_between_clips():
     B, m0, gamma = 1500.0, 1.6, 2.0
     mu = lambda lam: B * max(m0 - gamma * lam, 0.0)  # noqa: E731

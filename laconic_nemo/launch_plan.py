@@ -1,0 +1,275 @@
+"""`laconic-nemo plan RECIPE --nodes N --gpus-per-node G [key=value ...]`: a dry run of a cluster launch.
+
+Loads and validates the recipe (``laconic_nemo.config``), then checks that it fits the cluster
+layout: world size = nodes x GPUs per node divisible by TP x PP, groups of G responses whole on
+each data-parallel rank, the global rollout batch divisible into optimiser minibatches and those
+into DP x micro-batches, attention heads divisible by TP, layers by PP, L_max inside the context
+window, and the checkpoint / data paths present (or created by the conversion step). Nothing is
+allocated: no torch.distributed, no model, no GPU. It prints the resolved layout and the exact
+commands a launch (``launch/submit.sh``) runs. A bad layout or key exits with code 2 and a
+message naming the key.
+
+The command lines come from :func:`render_commands`; ``launch/submit.sh`` builds the same lines in
+bash (``tests/test_launch.py`` checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from laconic_nemo.config import ConfigError, load_config
+
+# Defaults shared with launch/submit.sh (environment variables of the same name override both).
+DEFAULT_CONTAINER = "/lustre/containers/laconic-nemo-25.02.sqsh"
+DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
+
+
+class LayoutError(ConfigError):
+    """The recipe does not fit the requested cluster layout; the message names the key."""
+
+
+@dataclass
+class Plan:
+    """The resolved layout of one launch (all batch sizes in responses unless named prompts)."""
+
+    recipe: str
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    actor: str                   # "nemo_aligner" (model.source nemo) or "megatron_core" (hf / synthetic)
+    num_prompts_per_step: int    # global prompts per step
+    group_size: int              # G
+    rollout_batch: int           # global responses per step = prompts x G
+    minibatch_size: int          # global responses per optimiser step
+    micro_batch_size: int        # responses per forward/backward on one DP rank
+    steps_per_rollout: int       # optimiser steps per GRPO step
+    prompts_per_rank: int        # prompts per DP rank (whole groups)
+    samples_per_rank: int        # responses per DP rank per step
+    micro_batches_per_step: int  # micro-batches per optimiser step on one DP rank (gradient accumulation)
+    max_new_tokens: int          # L_max
+    budget: float                # B
+    max_generated_tokens_per_step: int  # rollout_batch x L_max (upper bound)
+    budget_tokens_per_step: int  # rollout_batch x B (generated tokens when the mean sits at the budget)
+    num_steps: int
+    conversion_needed: bool      # model.path (.nemo) missing and converted from the HF checkpoint first
+    warnings: list[str] = field(default_factory=list)
+
+
+def _fail(key: str, value, allowed: str) -> None:
+    raise LayoutError(f"{key} = {value!r} does not fit the layout: {allowed}")
+
+
+def _hf_config(path: str | None) -> dict | None:
+    """The HF ``config.json`` next to (or inside) ``path`` when it is readable here, else None."""
+    if not path:
+        return None
+    p = Path(path)
+    for cand in (p / "config.json", p.parent / "config.json"):
+        if cand.is_file():
+            try:
+                return json.loads(cand.read_text())
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
+                check_paths: bool = True) -> Plan:
+    """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
+
+    hf_model: the HF checkpoint the launch converts to ``model.path`` when that .nemo is missing.
+    check_paths: verify data files and checkpoints exist (off for planning away from the cluster).
+    Raises :class:`LayoutError` (a ConfigError) naming the offending key.
+    """
+    if int(nodes) < 1:
+        _fail("--nodes", nodes, "an integer >= 1")
+    if int(gpus_per_node) < 1:
+        _fail("--gpus-per-node", gpus_per_node, "an integer >= 1")
+    world = int(nodes) * int(gpus_per_node)
+    tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
+    if tp > gpus_per_node or gpus_per_node % tp:
+        _fail("parallel.tensor_model_parallel_size", tp,
+              f"a divisor of --gpus-per-node = {gpus_per_node} (tensor parallelism stays inside a node)")
+    if world % (tp * pp):
+        _fail("parallel.pipeline_model_parallel_size", pp,
+              f"world size {world} must be divisible by TP x PP = {tp} x {pp} = {tp * pp}")
+    dp = world // (tp * pp)
+
+    g = cfg.grpo
+    prompts, G = int(g.num_prompts_per_step), int(g.group_size)
+    rollout = prompts * G
+    mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
+    if prompts % dp:
+        _fail("grpo.num_prompts_per_step", prompts,
+              f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}")
+    if rollout % mini:
+        _fail("grpo.minibatch_size", mini, f"a divisor of the rollout batch num_prompts_per_step x G = {rollout}")
+    if mini % dp:
+        _fail("grpo.minibatch_size", mini, f"divisible by DP = {dp}")
+    if mini % (dp * mbs):
+        _fail("grpo.micro_batch_size", mbs,
+              f"DP x micro_batch_size = {dp} x {mbs} must divide grpo.minibatch_size = {mini}")
+
+    m = cfg.model
+    hf = _hf_config(hf_model if m.source == "nemo" else m.path)
+    heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
+    layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
+    kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else None
+    max_pos = int(hf.get("max_position_embeddings", m.max_position_embeddings)) if hf else int(m.max_position_embeddings)
+    if heads % tp:
+        _fail("parallel.tensor_model_parallel_size", tp, f"a divisor of the attention heads ({heads})")
+    if kv_heads is not None and kv_heads % tp:
+        _fail("parallel.tensor_model_parallel_size", tp, f"a divisor of the key-value heads ({kv_heads})")
+    if layers % pp:
+        _fail("parallel.pipeline_model_parallel_size", pp, f"a divisor of the number of layers ({layers})")
+    lmax = int(cfg.rollout.max_new_tokens)
+    if lmax >= max_pos:
+        _fail("rollout.max_new_tokens", lmax, f"< the context window model.max_position_embeddings = {max_pos} "
+              "(prompt + response must fit)")
+
+    warnings: list[str] = []
+    actor = "nemo_aligner" if m.source == "nemo" else "megatron_core"
+    if m.source == "nemo" and cfg.rollout.engine != "nemo":
+        _fail("rollout.engine", cfg.rollout.engine, "nemo when model.source = nemo (NeMo-Aligner generation)")
+    if m.source != "nemo" and cfg.rollout.engine == "nemo":
+        _fail("rollout.engine", cfg.rollout.engine, "megatron or vllm unless model.source = nemo")
+    if world > 1 and m.precision == "fp32" and m.source != "synthetic":
+        warnings.append("model.precision = fp32 on GPUs: bf16 is the usual choice")
+    if cfg.parallel.backend == "gloo" and m.source != "synthetic":
+        _fail("parallel.backend", cfg.parallel.backend, "auto or nccl on a GPU cluster")
+
+    conversion = False
+    if m.source in ("nemo", "hf") and check_paths:
+        if not Path(str(m.path)).exists():
+            if m.source == "nemo" and hf_model:
+                conversion = True
+                if not Path(hf_model).exists():
+                    _fail("model.path", m.path, f"an existing .nemo, or an existing HF checkpoint to convert "
+                          f"(--hf-model {hf_model} does not exist)")
+            else:
+                _fail("model.path", m.path, "an existing checkpoint" +
+                      (" (or pass --hf-model to convert one)" if m.source == "nemo" else ""))
+    elif m.source == "nemo" and hf_model:
+        conversion = not Path(str(m.path)).exists()
+    if cfg.data.kind == "math":
+        files = list(cfg.data.train_files)
+        if not files:
+            _fail("data.train_files", files, "at least one json/jsonl/parquet file with problem and answer")
+        if check_paths:
+            for f in files:
+                if not Path(str(f)).is_file():
+                    _fail("data.train_files", str(f), "existing files (see docs/cluster.md, data preparation)")
+
+    return Plan(
+        recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
+        actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
+        micro_batch_size=mbs, steps_per_rollout=rollout // mini, prompts_per_rank=prompts // dp,
+        samples_per_rank=rollout // dp, micro_batches_per_step=mini // (dp * mbs), max_new_tokens=lmax,
+        budget=float(cfg.laconic.budget), max_generated_tokens_per_step=rollout * lmax,
+        budget_tokens_per_step=int(round(rollout * float(cfg.laconic.budget))), num_steps=int(cfg.run.num_steps),
+        conversion_needed=conversion, warnings=warnings,
+    )
+
+
+def default_mounts() -> str:
+    """Container mounts as launch/submit.sh derives them from DATA_DIR, CKPT_DIR, RESULTS_DIR, REPO_DIR."""
+    repo = os.environ.get("REPO_DIR", str(Path(__file__).resolve().parent.parent))
+    return ",".join([
+        f"{os.environ.get('DATA_DIR', '/lustre/data')}:/data",
+        f"{os.environ.get('CKPT_DIR', '/lustre/checkpoints')}:/checkpoints",
+        f"{os.environ.get('RESULTS_DIR', '/lustre/results')}:/results",
+        f"{repo}:{DEFAULT_REPO_IN_CONTAINER}",
+    ])
+
+
+def srun_prefix(nodes: int, ntasks_per_node: int, container: str, mounts: str, gpus_per_node: int | None = None) -> str:
+    """The pyxis srun prefix, flag for flag as launch/submit.sh writes it (minus its --output/--label)."""
+    parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}"]
+    if gpus_per_node is not None:
+        parts.append(f"--gpus-per-node={gpus_per_node}")
+    parts += [f"--container-image={container}", f"--container-mounts={mounts}", "--no-container-mount-home",
+              f"--container-workdir={DEFAULT_REPO_IN_CONTAINER}", "--export=ALL"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def render_commands(plan: Plan, cfg: DictConfig, recipe: str, overrides: list[str], container: str, mounts: str,
+                    hf_model: str | None = None) -> list[str]:
+    """The srun lines a launch runs, in order: plan (validation in the container), prepare (HF -> .nemo
+    conversion, skipped inside when model.path exists), train (one task per GPU)."""
+    ov = "".join(f" {shlex.quote(o)}" for o in overrides)
+    q = shlex.quote
+    hf = f" --hf-model={q(hf_model)}" if hf_model else ""
+    cmds = [f"{srun_prefix(1, 1, container, mounts)} python -m laconic_nemo plan {q(recipe)} "
+            f"--nodes={plan.nodes} --gpus-per-node={plan.gpus_per_node}{hf}{ov}"]
+    if hf_model:
+        cmds.append(f"{srun_prefix(1, 1, container, mounts, 1)} python -m laconic_nemo.nemo_entry --prepare"
+                    f"{hf} {q(recipe)}{ov}")
+    cmds.append(f"{srun_prefix(plan.nodes, plan.gpus_per_node, container, mounts, plan.gpus_per_node)} "
+                f"bash launch/torch_env.sh python -m laconic_nemo.nemo_entry {q(recipe)}{ov}")
+    return cmds
+
+
+def format_plan(plan: Plan, cmds: list[str]) -> str:
+    lines = [
+        f"recipe           {plan.recipe}",
+        f"actor            {plan.actor}",
+        f"world            {plan.world_size} GPUs = {plan.nodes} nodes x {plan.gpus_per_node}",
+        f"layout           TP {plan.tp} x PP {plan.pp} x DP {plan.dp}",
+        f"rollout batch    {plan.num_prompts_per_step} prompts x G {plan.group_size} = {plan.rollout_batch} responses",
+        f"per DP rank      {plan.prompts_per_rank} prompts, {plan.samples_per_rank} responses",
+        f"minibatch        {plan.minibatch_size} responses ({plan.steps_per_rollout} optimiser steps per rollout)",
+        f"micro-batch      {plan.micro_batch_size} responses per rank, {plan.micro_batches_per_step} per optimiser "
+        "step (gradient accumulation)",
+        f"tokens per step  <= {plan.max_generated_tokens_per_step} generated (L_max {plan.max_new_tokens}); "
+        f"{plan.budget_tokens_per_step} at the budget B {plan.budget:g}",
+        f"steps            {plan.num_steps}",
+    ]
+    lines += [f"warning          {w}" for w in plan.warnings]
+    lines.append("commands:")
+    lines += [f"  {c}" for c in cmds]
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="validate a recipe for a cluster layout and print the launch commands",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", help="recipe YAML (e.g. recipes/deepseek_1.5b_b1500.yaml)")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--hf-model", default=os.environ.get("HF_MODEL"),
+                   help="HF checkpoint converted to model.path when the .nemo is missing (env HF_MODEL)")
+    p.add_argument("--container", default=os.environ.get("CONTAINER", DEFAULT_CONTAINER),
+                   help="container image (env CONTAINER)")
+    p.add_argument("--mounts", default=os.environ.get("MOUNTS") or default_mounts(),
+                   help="pyxis container mounts (env MOUNTS; default derived as in launch/submit.sh)")
+    p.add_argument("--skip-path-checks", action="store_true",
+                   help="do not check that data and checkpoint paths exist (planning away from the cluster)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
+                           check_paths=not args.skip_path_checks)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"laconic-nemo plan: {exc}", file=sys.stderr)
+        return 2
+    cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), args.container, args.mounts, args.hf_model)
+    if args.json:
+        print(json.dumps({**asdict(plan), "commands": cmds}, indent=1))
+    else:
+        print(format_plan(plan, cmds))
+    return 0

@@ -1,0 +1,19 @@
+#!/bin/bash
+# ablation ceiling 0.15 on DeepScaleR-1.5B-Preview (see recipes/ablation_ceiling_0.15.yaml).
+# Submit from the repository root:  sbatch launch/ablation_ceiling_0.15.sh   (DRY_RUN=1 bash launch/ablation_ceiling_0.15.sh to preview)
+#SBATCH --job-name=laconic-ablation_ceiling_0.15
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+RECIPE=recipes/ablation_ceiling_0.15.yaml
+HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepScaleR-1.5B-Preview}"
+REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck source=launch/submit.sh
+source "${REPO_DIR}/launch/submit.sh"

@@ -1,0 +1,19 @@
+#!/bin/bash
+# baseline thinkprune 4k on DeepScaleR-1.5B-Preview (see recipes/baseline_thinkprune_4k.yaml).
+# Submit from the repository root:  sbatch launch/baseline_thinkprune_4k.sh   (DRY_RUN=1 bash launch/baseline_thinkprune_4k.sh to preview)
+#SBATCH --job-name=laconic-baseline_thinkprune_4k
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+RECIPE=recipes/baseline_thinkprune_4k.yaml
+HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepScaleR-1.5B-Preview}"
+REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck source=launch/submit.sh
+source "${REPO_DIR}/launch/submit.sh"

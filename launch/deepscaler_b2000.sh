@@ -1,0 +1,19 @@
+#!/bin/bash
+# Paper run: DeepScaleR-1.5B-Preview, B = 2000, 300 steps, the authors' script knobs (DP 16).
+# Submit from the repository root:  sbatch launch/deepscaler_b2000.sh   (DRY_RUN=1 bash launch/deepscaler_b2000.sh to preview)
+#SBATCH --job-name=laconic-deepscaler_b2000
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+RECIPE=recipes/deepscaler_1.5b_b2000.yaml
+HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepScaleR-1.5B-Preview}"
+REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck source=launch/submit.sh
+source "${REPO_DIR}/launch/submit.sh"

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Paper run: Qwen3-8B, B = 1000, 150 steps (megatron-core actor + HF bridge, TP 4 x PP 2 x DP 4).
+# Submit from the repository root:  sbatch launch/qwen3_8b_b1000.sh   (DRY_RUN=1 bash launch/qwen3_8b_b1000.sh to preview)
+#SBATCH --job-name=laconic-qwen3_8b_b1000
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+RECIPE=recipes/qwen3_8b_b1000.yaml
+REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck source=launch/submit.sh
+source "${REPO_DIR}/launch/submit.sh"

@@ -15,6 +15,7 @@ bash (``tests/test_launch.py`` checks that the two agree).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -240,14 +241,27 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
     return "\n".join(lines)
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="validate a recipe for a cluster layout and print the launch commands",
-                              description=__doc__.split("\n\n")[0])
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets options and key=value overrides come in any order after the recipe."""
+
+    _busy = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._busy:
+            return super().parse_known_args(args, namespace)
+        self._busy = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._busy = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML (e.g. recipes/deepseek_1.5b_b1500.yaml)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.add_argument("--nodes", type=int, required=True, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--hf-model", default=os.environ.get("HF_MODEL"),
+    p.add_argument("--hf-model", default=os.environ.get("HF_MODEL") or None,
                    help="HF checkpoint converted to model.path when the .nemo is missing (env HF_MODEL)")
     p.add_argument("--container", default=os.environ.get("CONTAINER", DEFAULT_CONTAINER),
                    help="container image (env CONTAINER)")
@@ -256,6 +270,13 @@ def register(subparsers) -> None:
     p.add_argument("--skip-path-checks", action="store_true",
                    help="do not check that data and checkpoint paths exist (planning away from the cluster)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="validate a recipe for a cluster layout and print the launch commands",
+                              description=__doc__.split("\n\n")[0])
+    p.__class__ = _IntermixedParser
+    add_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -30,7 +30,7 @@ RESULTS_DIR="${RESULTS_DIR:-/lustre/results}"
 REPO_IN_CONTAINER=/opt/laconic-nemo
 MOUNTS="${MOUNTS:-${DATA_DIR}:/data,${CKPT_DIR}:/checkpoints,${RESULTS_DIR}:/results,${REPO_DIR}:${REPO_IN_CONTAINER}}"
 # The node count comes from the allocation; outside Slurm (dry run) from the wrapper's #SBATCH line.
-NODES="${SLURM_JOB_NUM_NODES:-$(sed -n 's/^#SBATCH --nodes=\([0-9]*\).*/\1/p' "$0" | head -n 1)}"
+NODES="${SLURM_JOB_NUM_NODES:-$(sed -n 's/^#SBATCH --nodes=\([0-9]*\).*/\1/p' "$0" | sed -n '1p')}"
 NODES="${NODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 JOB_ID="${SLURM_JOB_ID:-dryrun}"
@@ -42,7 +42,8 @@ read -r -a OVERRIDES <<< "${EXTRA_OVERRIDES:-}"
 
 first_host() {
     if command -v scontrol > /dev/null 2>&1 && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-        scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1
+        # sed reads all input (head would close the pipe early: SIGPIPE fails the pipeline under pipefail)
+        scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed -n '1p'
     else
         # dry run away from Slurm: the first entry of a plain comma-separated list
         local list="${SLURM_JOB_NODELIST:-localhost}"
@@ -84,6 +85,7 @@ run() {
 
 TRAIN_PID=""
 PREEMPTED=0
+# shellcheck disable=SC2317  # invoked by the traps below
 forward_signal() {
     PREEMPTED=1
     echo "$(date -u +%FT%TZ) caught SIG$1: asking the trainer to checkpoint and stop" >&2

@@ -1,0 +1,120 @@
+"""`laconic-nemo plan`: the resolved layout, and bad layouts / keys rejected with the key named (exit 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from laconic_nemo.cli import main
+from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.launch_plan import LayoutError, plan_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+DEEPSEEK = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
+QWEN3 = str(ROOT / "recipes" / "qwen3_8b_b1000.yaml")
+
+
+def test_layout_numbers_deepseek_two_nodes():
+    p = plan_layout(load_config(DEEPSEEK), 2, 8, check_paths=False)
+    # 16 GPUs, TP=PP=1 -> DP 16; 128 prompts x 4 = 512 responses; 32 per rank (8 whole groups)
+    assert (p.world_size, p.tp, p.pp, p.dp) == (16, 1, 1, 16)
+    assert (p.rollout_batch, p.prompts_per_rank, p.samples_per_rank) == (512, 8, 32)
+    # minibatch 256 -> 2 optimiser steps; 256 / (16 ranks x 4) = 4 micro-batches per step per rank
+    assert (p.steps_per_rollout, p.micro_batches_per_step) == (2, 4)
+    assert p.max_generated_tokens_per_step == 512 * 4096 and p.budget_tokens_per_step == 512 * 1500
+    assert p.actor == "nemo_aligner"
+
+
+def test_layout_numbers_qwen3_four_nodes():
+    p = plan_layout(load_config(QWEN3), 4, 8, check_paths=False)
+    assert (p.tp, p.pp, p.dp) == (4, 2, 4)
+    assert (p.samples_per_rank, p.micro_batches_per_step) == (128, 64)
+    assert p.actor == "megatron_core"
+
+
+def test_scaling_by_nodes_keeps_the_global_batch():
+    cfg = load_config(DEEPSEEK)
+    one, four = plan_layout(cfg, 1, 8, check_paths=False), plan_layout(cfg, 4, 8, check_paths=False)
+    assert one.rollout_batch == four.rollout_batch
+    assert one.samples_per_rank == 4 * four.samples_per_rank
+
+
+@pytest.mark.parametrize("recipe,nodes,overrides,key", [
+    (DEEPSEEK, 2, ["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
+    (DEEPSEEK, 2, ["parallel.tensor_model_parallel_size=16"], "parallel.tensor_model_parallel_size"),
+    (QWEN3, 4, ["parallel.pipeline_model_parallel_size=5"], "parallel.pipeline_model_parallel_size"),
+    (QWEN3, 4, ["parallel.pipeline_model_parallel_size=8"], "parallel.pipeline_model_parallel_size"),  # 36 layers
+    (DEEPSEEK, 2, ["parallel.tensor_model_parallel_size=8"], "parallel.tensor_model_parallel_size"),  # 12 heads
+    (DEEPSEEK, 2, ["grpo.num_prompts_per_step=100", "grpo.minibatch_size=200"], "grpo.num_prompts_per_step"),
+    (DEEPSEEK, 2, ["grpo.minibatch_size=128", "grpo.micro_batch_size=3"], "grpo.micro_batch_size"),
+    (DEEPSEEK, 3, [], "grpo.num_prompts_per_step"),  # DP 24 does not divide 128 prompts
+    (str(ROOT / "recipes" / "qwen_math_1.5b_b550.yaml"), 2, ["rollout.max_new_tokens=4096"],
+     "rollout.max_new_tokens"),
+    (DEEPSEEK, 2, ["rollout.engine=megatron"], "rollout.engine"),
+])
+def test_bad_layout_names_the_key(recipe, nodes, overrides, key, capsys):
+    with pytest.raises(LayoutError, match=key.replace(".", r"\.")):
+        plan_layout(load_config(recipe, overrides), nodes, 8, check_paths=False)
+    rc = main(["plan", recipe, "--nodes", str(nodes), "--skip-path-checks", *overrides])
+    assert rc == 2
+    assert key in capsys.readouterr().err
+
+
+def test_unknown_key_exit_2(capsys):
+    assert main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", "grpo.groupsize=4"]) == 2
+    assert "grpo.groupsize" in capsys.readouterr().err
+
+
+def test_cross_field_config_error_exit_2(capsys):
+    assert main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", "laconic.budget=5000"]) == 2
+    assert "laconic.budget" in capsys.readouterr().err
+
+
+def test_paths_checked_and_conversion_planned(tmp_path):
+    data = tmp_path / "train.json"
+    data.write_text("[]")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 12, "num_key_value_heads": 2,
+                                                "num_hidden_layers": 28, "max_position_embeddings": 131072}))
+    nemo = tmp_path / "model.nemo"
+    base = [f"data.train_files=[{data}]", f"model.path={nemo}"]
+    with pytest.raises(LayoutError, match="model.path"):
+        plan_layout(load_config(DEEPSEEK, base), 2, 8)                      # no .nemo and nothing to convert
+    p = plan_layout(load_config(DEEPSEEK, base), 2, 8, hf_model=str(hf))    # converted by the prepare step
+    assert p.conversion_needed
+    nemo.write_text("x")
+    assert not plan_layout(load_config(DEEPSEEK, base), 2, 8, hf_model=str(hf)).conversion_needed
+    with pytest.raises(LayoutError, match="data.train_files"):
+        plan_layout(load_config(DEEPSEEK, [f"data.train_files=[{tmp_path / 'missing.json'}]", f"model.path={nemo}"]),
+                    2, 8)
+
+
+def test_checkpoint_config_overrides_recipe_shape(tmp_path):
+    """The HF config.json, when readable, is the truth: 14 heads do not split over TP 4."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 14, "num_key_value_heads": 2,
+                                                "num_hidden_layers": 28}))
+    cfg = load_config(QWEN3, [f"model.path={hf}", "parallel.pipeline_model_parallel_size=1"])
+    with pytest.raises(LayoutError, match=r"attention heads \(14\)"):
+        plan_layout(cfg, 1, 8, check_paths=False)
+
+
+def test_cli_json_and_commands(capsys):
+    rc = main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", "--json", "--container", "img.sqsh",
+               "--hf-model", "/checkpoints/hf/x", "laconic.budget=1200"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dp"] == 16 and out["budget"] == 1200
+    plan_cmd, prepare_cmd, train_cmd = out["commands"]
+    assert "laconic.budget=1200" in train_cmd and "--container-image=img.sqsh" in train_cmd
+    assert "--nodes=2 --ntasks-per-node=8" in train_cmd
+    assert "--prepare --hf-model=/checkpoints/hf/x" in prepare_cmd
+    assert " plan " in plan_cmd
+
+
+def test_config_error_is_layout_error_base():
+    assert issubclass(LayoutError, ConfigError)

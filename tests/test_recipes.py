@@ -1,0 +1,111 @@
+"""The paper-run recipes compose, carry the paper's numbers, and each has a launch script whose node
+count passes `plan`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from laconic_nemo.config import load_config
+from laconic_nemo.launch_plan import plan_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.startswith("tiny_cpu"))
+LAUNCH = ROOT / "launch"
+
+
+def launch_scripts() -> dict[str, tuple[Path, int]]:
+    """recipe stem -> (launch script, #SBATCH --nodes) for every per-recipe script."""
+    out = {}
+    for script in LAUNCH.glob("*.sh"):
+        text = script.read_text()
+        recipe = re.search(r"^RECIPE=recipes/(\S+)\.yaml$", text, re.M)
+        if recipe:
+            nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+            out[recipe.group(1)] = (script, nodes)
+    return out
+
+
+def test_every_paper_run_has_a_recipe():
+    stems = {p.stem for p in RECIPES}
+    for name in ("deepscaler_1.5b_b2000", "deepseek_1.5b_b1500", "qwen3_8b_b1000", "qwen_math_1.5b_b550",
+                 "qwen_math_1.5b_b550_linear", "ablation_budget_b1000", "ablation_budget_b1500",
+                 "ablation_budget_b1750", "ablation_eta_0.001", "ablation_eta_0.01", "ablation_ceiling_0.3",
+                 "ablation_ceiling_0.15", "ablation_fixed_lambda_0.001", "ablation_fixed_lambda_0.01",
+                 "ablation_fixed_lambda_0.05", "ablation_linear_cost", "baseline_grpo", "baseline_l1_exact",
+                 "baseline_l1_max", "baseline_efficient", "baseline_overlong", "baseline_thinkprune_4k"):
+        assert name in stems, name
+
+
+# (recipe, B, steps, L_max, shaper): DESIGN.md section 1 (Qwen2.5-Math: L_max limited by its 4096 context)
+PAPER = [
+    ("deepscaler_1.5b_b2000", 2000, 300, 4096, "laconic"),
+    ("deepseek_1.5b_b1500", 1500, 500, 4096, "laconic"),
+    ("qwen3_8b_b1000", 1000, 150, 4096, "laconic"),
+    ("qwen_math_1.5b_b550", 550, 350, 3072, "laconic"),
+    ("qwen_math_1.5b_b550_linear", 550, 350, 3072, "linear"),
+]
+
+
+@pytest.mark.parametrize("name,budget,steps,lmax,shaper", PAPER)
+def test_paper_numbers(name, budget, steps, lmax, shaper):
+    cfg = load_config(ROOT / "recipes" / f"{name}.yaml")
+    assert float(cfg.laconic.budget) == budget
+    assert int(cfg.run.num_steps) == steps
+    assert int(cfg.rollout.max_new_tokens) == lmax
+    assert cfg.laconic.shaper == shaper
+    assert int(cfg.grpo.group_size) == 4 and int(cfg.grpo.num_prompts_per_step) == 128
+
+
+def test_authors_script_knobs_in_deepscaler_recipe():
+    lc = load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml").laconic
+    assert (lc.eta, lc.floor, lc.ceiling, lc.penalty_cap, lc.hit_cap) == (0.002, 1e-5, 0.1, 0.4, 0.1)
+
+
+def _flat(cfg) -> dict:
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+@pytest.mark.parametrize("name,changed", [
+    ("ablation_budget_b1000", {"laconic.budget": 1000}),
+    ("ablation_eta_0.01", {"laconic.eta": 0.01}),
+    ("ablation_ceiling_0.3", {"laconic.ceiling": 0.3}),
+    ("ablation_fixed_lambda_0.05", {"laconic.shaper": "fixed", "laconic.lambda_init": 0.05, "laconic.floor": 0.0}),
+    ("ablation_linear_cost", {"laconic.shaper": "linear"}),
+    ("baseline_efficient", {"laconic.shaper": "efficient", "laconic.alpha": 0.1}),
+])
+def test_ablation_changes_only_its_knob(name, changed):
+    """An ablation differs from the DeepScaleR run in its own knob only (plus its name / output folder)."""
+    ref = _flat(load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml"))
+    abl = _flat(load_config(ROOT / "recipes" / f"{name}.yaml"))
+    diff = {k: abl[k] for k in abl if abl[k] != ref[k] and k not in ("run.name", "run.output_dir")}
+    assert diff == changed
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_has_launch_script_and_fits_its_nodes(recipe):
+    cfg = load_config(recipe)
+    assert cfg.run.name == recipe.stem, "launch/submit.sh derives the log folder from the recipe file name"
+    assert cfg.run.output_dir == f"/results/{recipe.stem}"
+    scripts = launch_scripts()
+    assert recipe.stem in scripts, f"no launch script for {recipe.name}"
+    _, nodes = scripts[recipe.stem]
+    plan = plan_layout(cfg, nodes, 8, check_paths=False)
+    assert plan.world_size == nodes * 8
+    if recipe.stem.startswith("qwen3_8b"):
+        assert plan.tp > 1 and plan.pp > 1, "the 8B run uses tensor and pipeline parallelism"
+    else:
+        assert (plan.tp, plan.pp) == (1, 1), "1.5B runs are pure data parallel"
+    assert cfg.model.precision == "bf16"

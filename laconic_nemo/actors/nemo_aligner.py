@@ -1,0 +1,424 @@
+"""GRPO policy actor on NeMo-Aligner (the cluster path for ``.nemo`` checkpoints).
+
+Targets nemo-aligner 0.7.0 with nemo-toolkit 2.2.1 and megatron-core 0.11 (the NGC container
+``nvcr.io/nvidia/nemo:25.02``). It implements :class:`laconic_nemo.grpo.interfaces.PolicyActor` so
+that the same :class:`laconic_nemo.grpo.trainer.GRPOTrainer` drives it as the megatron-core actor;
+NeMo-Aligner's own ``ReinforceTrainer`` is not used.
+
+Seams of NeMo-Aligner reused (names and signatures as in 0.7.0):
+
+* the model: a subclass of ``MegatronGPTReinforceActorModel`` (``NLPAdapterModelMixin``,
+  ``MegatronGPTModel``, ``AlignableGenerativeInterface``) built by
+  ``nemo_aligner.utils.utils.load_from_nemo`` from a ``.nemo`` file or a NeMo 2.0 checkpoint folder;
+  only ``get_actor_forward_output_and_loss_func`` is replaced, so the policy loss is the shared
+  :func:`laconic_nemo.grpo.loss.make_grpo_loss_fn` (clipped ratio, k3 KL, GLOBAL token/sequence
+  normalisation) evaluated on tensor-parallel log-probs from
+  ``nemo_aligner.utils.distributed.from_parallel_logits_to_logprobs`` (vocab-parallel logits are
+  never gathered);
+* generation: ``prepare_for_inference`` / ``infer`` / ``finish_inference`` (NeMo's
+  ``MegatronGPTModel.generate`` with ``TrackLengthGPTModelTextGenerationStrategy``, or TRT-LLM when
+  ``trainer.reinforce.trt_llm.enable``; Adam states offloaded to CPU during rollout);
+* log-probs: ``get_inference_log_probs`` (pipeline schedule, broadcast from the last PP stage) and,
+  for the reference policy, ``get_init_policy_logprobs`` (CPU weight swap of
+  ``init_policy_state_dict`` from ``retrieve_model_state_dict_in_cpu``, or LoRA adapters off);
+* training: ``prepare_for_training`` / ``prepare_for_training_step`` / ``get_loss_and_metrics`` /
+  ``finish_training_step`` / ``finish_training`` and ``nemo_aligner.utils.train_utils.clip_gradients``,
+  exactly the sequence of ``ReinforceTrainer.run_training``;
+* checkpoints: PyTorch Lightning's ``trainer.save_checkpoint`` (NeMo's distributed checkpoint of
+  model + optimiser + scheduler, collective over all ranks) into a folder that also receives an
+  atomically written sidecar ``laconic_state.json`` (step, lambda-controller state); the
+  ``on_save_checkpoint`` / ``on_load_checkpoint`` hooks carry the same state inside the Lightning
+  checkpoint. Resume restores the NeMo checkpoint in ``init_using_ptl`` (before the first step) and
+  the trainer restores lambda from its own ``trainer_state.json``.
+
+Differences from NeMo-Aligner's REINFORCE, on purpose: every DP rank generates and trains on its own
+share of prompts (the trainer hands each rank whole groups of G responses), where
+``ReinforceRolloutBatch.chunk`` gives every DP rank the full global batch; advantages come from the
+trainer (Lagrangian reward, group normalisation), not from the RLOO baseline.
+
+Gradient scaling: Megatron's pipeline schedule divides each micro-batch loss by the number of
+micro-batches and the DDP / distributed optimiser AVERAGES gradients over DP, while the shared loss
+is already normalised by the global minibatch and expects gradients SUMMED; the loss is therefore
+multiplied by ``num_microbatches * dp_size`` (:func:`loss_scale`).
+
+Everything that needs NeMo is imported lazily (:func:`actor_model_class`), so the pure helpers here
+import and are tested on CPU without NeMo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
+
+TARGET_VERSIONS = {"nemo_aligner": "0.7.0", "nemo_toolkit": "2.2.1", "megatron_core": "0.11"}
+SIDECAR = "laconic_state.json"
+CHECKPOINT_KEY = "laconic_state"
+# Additive metric shares returned by laconic_nemo.grpo.loss.make_grpo_loss_fn.
+LOSS_METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean")
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def loss_scale(num_microbatches: int, dp_size: int) -> float:
+    """Factor that turns Megatron's mean over micro-batches and DP ranks into the SUM the shared loss expects."""
+    if num_microbatches < 1 or dp_size < 1:
+        raise ValueError(f"num_microbatches ({num_microbatches}) and dp_size ({dp_size}) must be >= 1")
+    return float(num_microbatches * dp_size)
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: (tokens LongTensor [n, max_len], lengths LongTensor [n]) as NeMo's ``infer`` takes
+    them in ``{"text": tokens, "length": lengths}``."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    tokens = torch.full((len(prompts), int(lengths.max())), int(pad_id), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens, lengths
+
+
+def nemo_rollout_to_generation_output(response_tokens: torch.Tensor, response_lengths: torch.Tensor,
+                                      prompt_lengths: torch.Tensor, is_end: torch.Tensor,
+                                      max_new_tokens: int) -> GenerationOutput:
+    """Convert the rollout of ``MegatronGPTReinforceActorModel.infer`` to the interface's layout.
+
+    response_tokens: [n, T] prompt + response (NeMo pads with EOS).
+    response_lengths: [n] NeMo's TOTAL length: prompt + generated tokens, the ending token included.
+    prompt_lengths: [n].
+    is_end: [n] bool, True when the sample ended on EOS / an end string (and produced valid tokens).
+    Returns tokens, prompt_lengths, response_lengths = generated tokens (EOS counted), lengths L
+    (EOS excluded; a sample that did not end counts every generated token) and truncated (no end
+    and ``max_new_tokens`` generated).
+    """
+    response_tokens = torch.as_tensor(response_tokens).long().cpu()
+    total = torch.as_tensor(response_lengths).long().cpu()
+    prompt = torch.as_tensor(prompt_lengths).long().cpu()
+    ended = torch.as_tensor(is_end).bool().cpu()
+    if not (total.shape == prompt.shape == ended.shape == (response_tokens.shape[0],)):
+        raise ValueError("response_lengths, prompt_lengths and is_end must be [n] with n = response_tokens rows")
+    generated = total - prompt
+    if bool((generated < 0).any()) or bool((total > response_tokens.shape[1]).any()):
+        raise ValueError("response_lengths must lie between prompt_lengths and the token width")
+    lengths = generated - ended.long()
+    truncated = (~ended) & (generated >= int(max_new_tokens))
+    return GenerationOutput(tokens=response_tokens, prompt_lengths=prompt, response_lengths=generated,
+                            lengths=lengths.clamp(min=0), truncated=truncated)
+
+
+def train_batch_to_nemo(batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """A TrainBatch as the tensor dict NeMo's ``get_loss_and_metrics`` splits into micro-batches
+    (``response_tokens`` is the key NeMo builds attention masks and position ids from)."""
+    if batch.advantages is None or batch.old_logprobs is None:
+        raise ValueError("the batch needs advantages and old_logprobs for the policy update")
+    out = {
+        "response_tokens": batch.tokens.long(),
+        "prompt_lengths": batch.prompt_lengths.long(),
+        "response_lengths": batch.response_lengths.long(),
+        "response_mask": batch.response_mask.float(),
+        "advantages": batch.advantages.float(),
+        "old_logprobs": batch.old_logprobs.float(),
+    }
+    if batch.ref_logprobs is not None:
+        out["ref_logprobs"] = batch.ref_logprobs.float()
+    return out
+
+
+def nemo_to_train_batch(d: dict[str, torch.Tensor | None]) -> TrainBatch:
+    """Inverse of :func:`train_batch_to_nemo` for one micro-batch (keys absent on a PP stage may be None)."""
+    return TrainBatch(tokens=d["response_tokens"], prompt_lengths=d.get("prompt_lengths"),
+                      response_lengths=d.get("response_lengths"), response_mask=d.get("response_mask"),
+                      advantages=d.get("advantages"), old_logprobs=d.get("old_logprobs"),
+                      ref_logprobs=d.get("ref_logprobs"))
+
+
+def largest_divisor_at_most(n: int, k: int) -> int:
+    """The largest divisor of n that is <= k (micro-batch size for ``get_inference_log_probs``, which
+    needs the batch divisible by it)."""
+    if n < 1 or k < 1:
+        raise ValueError(f"n ({n}) and k ({k}) must be >= 1")
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
+
+
+def write_sidecar(folder: str | Path, state: dict[str, Any]) -> Path:
+    """Atomically write ``state`` (JSON) to ``folder/laconic_state.json``: a crash leaves the old file or
+    the new one, never half of one."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / SIDECAR
+    tmp = folder / f".{SIDECAR}.tmp{os.getpid()}"
+    with tmp.open("w") as f:
+        json.dump(state, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def read_sidecar(folder: str | Path) -> dict[str, Any] | None:
+    p = Path(folder) / SIDECAR
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------- NeMo model
+def _stub_trt_llm_if_missing() -> None:
+    """``nemo_aligner.utils.trt_llm`` imports tensorrt_llm outside a try block; without TRT-LLM (CPU, or a
+    container without it) the actor module would not import. Replace it with a stub that fails only
+    when TRT-LLM generation is actually requested."""
+    try:
+        import tensorrt_llm  # noqa: F401
+        return
+    except Exception:
+        pass
+    name = "nemo_aligner.utils.trt_llm"
+    if name in sys.modules:
+        return
+    stub = types.ModuleType(name)
+
+    class GPTGenerateTRTLLM:  # noqa: N801 - the upstream name
+        def __init__(self, *args, **kwargs):
+            raise ImportError("trainer.reinforce.trt_llm.enable needs tensorrt_llm (not installed)")
+
+    stub.GPTGenerateTRTLLM = GPTGenerateTRTLLM
+    sys.modules[name] = stub
+
+
+_MODEL_CLASS = None
+
+
+def actor_model_class():
+    """``LaconicGRPOActorModel``: NeMo-Aligner's REINFORCE actor with the shared GRPO loss and the
+    laconic checkpoint hooks. Built on first use (imports NeMo)."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is not None:
+        return _MODEL_CLASS
+    _stub_trt_llm_if_missing()
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
+    from nemo_aligner.utils import parallel_state
+    from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
+
+    class LaconicGRPOActorModel(MegatronGPTReinforceActorModel):
+        """``MegatronGPTReinforceActorModel`` whose training loss is a :data:`LossFn` set per optimiser step."""
+
+        laconic_loss_fn: LossFn | None = None
+        laconic_state: dict[str, Any] | None = None           # written into checkpoints
+        restored_laconic_state: dict[str, Any] | None = None  # read back by on_load_checkpoint
+
+        def reset_laconic_metrics(self):
+            self._laconic_metric_sums = torch.zeros(len(LOSS_METRICS), dtype=torch.float64)
+
+        def get_actor_forward_output_and_loss_func(self):
+            def fwd_output_and_loss_func(data_iterator, model):
+                batch = next(data_iterator)
+                if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+                    required = set(batch.keys())
+                else:
+                    required = {"attention_mask"}
+                    if parallel_state.is_pipeline_first_stage():
+                        required.update(("response_tokens", "position_ids"))
+                    if parallel_state.is_pipeline_last_stage():
+                        required.update(k for k in batch if k not in ("attention_mask", "position_ids"))
+                batch = {k: (v.cuda(non_blocking=True) if k in required else None) for k, v in batch.items()}
+                parallel_logits = model(batch["response_tokens"], batch["position_ids"], batch["attention_mask"],
+                                        labels=None)
+
+                def loss_func(parallel_logits):
+                    if self.laconic_loss_fn is None:
+                        raise RuntimeError("set laconic_loss_fn before get_loss_and_metrics")
+                    # [b, s, V/TP] -> [b, s-1] log-probs of the next tokens, all-reduced over TP
+                    logprobs = from_parallel_logits_to_logprobs(
+                        vocab_parallel_logits=parallel_logits, target=batch["response_tokens"], higher_stability=True
+                    )
+                    loss, metrics = self.laconic_loss_fn(logprobs, nemo_to_train_batch(batch))
+                    self._laconic_metric_sums += torch.tensor([float(metrics.get(k, 0.0)) for k in LOSS_METRICS],
+                                                              dtype=torch.float64)
+                    scale = loss_scale(get_num_microbatches(), parallel_state.get_data_parallel_world_size())
+                    scaled = loss * scale
+                    # mean over micro-batches and DP (NeMo's reduction) of `scaled` = the global loss
+                    reduced = scaled.detach().clone()
+                    torch.distributed.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
+                    return scaled, {"loss": reduced / parallel_state.get_data_parallel_world_size()}
+
+                return parallel_logits, loss_func
+
+            return fwd_output_and_loss_func
+
+        def on_save_checkpoint(self, checkpoint: dict) -> None:
+            super().on_save_checkpoint(checkpoint)
+            if self.laconic_state is not None:
+                checkpoint[CHECKPOINT_KEY] = self.laconic_state
+
+        def on_load_checkpoint(self, checkpoint: dict) -> None:
+            super().on_load_checkpoint(checkpoint)
+            self.restored_laconic_state = checkpoint.get(CHECKPOINT_KEY)
+
+    _MODEL_CLASS = LaconicGRPOActorModel
+    return _MODEL_CLASS
+
+
+# ---------------------------------------------------------------------------------------------- the actor
+class NemoAlignerActor:
+    """:class:`~laconic_nemo.grpo.interfaces.PolicyActor` over a ``LaconicGRPOActorModel`` set up by
+    ``laconic_nemo.nemo_entry`` (``load_from_nemo`` -> ``init_distributed`` -> ``init_using_ptl``).
+
+    model: the LaconicGRPOActorModel (its PTL trainer attached).
+    optimizer, scheduler: from ``extract_optimizer_scheduler_from_ptl_model``.
+    grad_clip: global gradient-norm clip (0 disables).
+    pad_id: padding token for prompts.
+    restored_from: the NeMo checkpoint folder restored at start-up (None for a fresh run).
+    """
+
+    def __init__(self, model, optimizer, scheduler, grad_clip: float, pad_id: int,
+                 restored_from: str | None = None):
+        from nemo_aligner.utils import parallel_state
+
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.grad_clip, self.pad_id = float(grad_clip), int(pad_id)
+        self.restored_from = restored_from
+        self._ps = parallel_state
+        from megatron.core import parallel_state as mps
+
+        self.dp_rank = mps.get_data_parallel_rank()
+        self.dp_size = mps.get_data_parallel_world_size()
+        self.dp_group = mps.get_data_parallel_group()
+        self.tp_rank = mps.get_tensor_model_parallel_rank()
+        self.pp_rank = mps.get_pipeline_model_parallel_rank()
+        self.model_parallel_group = mps.get_model_parallel_group()
+        self._last_saved: str | None = None
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        m = self.model
+        m._sampling_params.update(temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=0,
+                                  use_greedy=False)
+        m._length_params.update(max_length=int(sampling.max_new_tokens))
+        # identical seed on every TP/PP rank of this DP group (depends on the DP rank only)
+        torch.manual_seed(int(sampling.seed))
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed(int(sampling.seed))
+        chunk = int(m.cfg.reinforce.get("rollout_micro_batch_size", len(prompts)))
+        outs = []
+        m.prepare_for_inference()
+        try:
+            for start in range(0, len(prompts), chunk):
+                tokens, lengths = pad_prompts(prompts[start : start + chunk], self.pad_id)
+                r = m.infer({"text": tokens, "length": lengths})
+                outs.append(nemo_rollout_to_generation_output(r["response_tokens"], r["response_lengths"],
+                                                              r["prompt_lengths"], r["is_end"],
+                                                              int(sampling.max_new_tokens)))
+        finally:
+            m.finish_inference()
+        width = max(o.tokens.shape[1] for o in outs)
+        tokens = torch.cat([torch.nn.functional.pad(o.tokens, (0, width - o.tokens.shape[1]), value=self.pad_id)
+                            for o in outs])
+        return GenerationOutput(tokens=tokens, **{k: torch.cat([getattr(o, k) for o in outs]) for k in
+                                                  ("prompt_lengths", "response_lengths", "lengths", "truncated")})
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        from nemo_aligner.utils.train_utils import set_eval, set_train
+
+        m = self.model
+        tokens = batch.tokens.long().cuda()
+        saved = m.forward_micro_batch_size
+        m.forward_micro_batch_size = largest_divisor_at_most(tokens.shape[0], int(saved))
+        set_eval(m)
+        try:
+            if reference:
+                out = m.get_init_policy_logprobs(tokens)
+            else:
+                out = m.get_inference_log_probs(tokens)
+        finally:
+            m.forward_micro_batch_size = saved
+            set_train(m)
+        return out.float().cpu()
+
+    # ------------------------------------------------------------------ policy update
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        from nemo_aligner.utils.train_utils import clip_gradients
+        from nemo_aligner.utils.utils import configure_batch_sizes
+
+        m = self.model
+        n = len(batch)
+        if n % micro_batch_size:
+            raise ValueError(f"minibatch rows on this rank ({n}) must be divisible by micro_batch_size "
+                             f"({micro_batch_size})")
+        m.cfg.micro_batch_size = int(micro_batch_size)  # read by get_loss_and_metrics
+        m.prepare_for_training()                         # onloads Adam states
+        configure_batch_sizes(mbs=int(micro_batch_size), gbs=n * self.dp_size, dp=self.dp_size)
+        self.optimizer.zero_grad()
+        m.prepare_for_training_step()
+        m.laconic_loss_fn = loss_fn
+        m.reset_laconic_metrics()
+        try:
+            loss, _ = m.get_loss_and_metrics(batch=train_batch_to_nemo(batch), forward_only=False)
+        finally:
+            m.laconic_loss_fn = None
+        m.finish_training_step()
+        grad_norm = clip_gradients(m, self.grad_clip)
+        grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else (grad_norm or 0.0))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        m.finish_training()
+        self.optimizer.zero_grad()
+        metrics = self._global_loss_metrics()
+        metrics.update(loss=float(loss), grad_norm=grad_norm, lr=lr)
+        return metrics
+
+    def _global_loss_metrics(self) -> dict[str, float]:
+        """Sum the loss metric shares over micro-batches (done) and DP ranks, then take them from the last
+        pipeline stage (the only one that evaluates the loss)."""
+        sums = self.model._laconic_metric_sums.to(torch.cuda.current_device())
+        torch.distributed.all_reduce(sums, group=self.dp_group)
+        from nemo.collections.nlp.parts.utils_funcs import get_last_rank
+
+        torch.distributed.broadcast(sums, get_last_rank())
+        return {k: float(v) for k, v in zip(LOSS_METRICS, sums.cpu().tolist())}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_sharded_checkpoint(self, folder: str | Path, laconic_state: dict[str, Any]) -> str:
+        """Collective (every rank): NeMo distributed checkpoint of model + optimiser + scheduler into
+        ``folder/model`` plus the sidecar ``folder/laconic_state.json``; returns the folder."""
+        folder = Path(folder)
+        rank = torch.distributed.get_rank()
+        self.model.laconic_state = dict(laconic_state)
+        self.model.prepare_for_training()  # Adam states back on the GPU before they are written
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        self.model.trainer.save_checkpoint(str(folder / "model.ckpt"))
+        torch.distributed.barrier()
+        if rank == 0:
+            write_sidecar(folder, laconic_state)
+        torch.distributed.barrier()
+        self.model.finish_training()
+        self._last_saved = str(folder)
+        return str(folder)
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Only a reference: the weights live in the NeMo checkpoint written by ``save_sharded_checkpoint``
+        (NeMo's distributed optimiser state is sharded over DP, so no single rank can hold it)."""
+        if self._last_saved is None:
+            raise RuntimeError("save_sharded_checkpoint must run (on every rank) before the trainer's checkpoint")
+        return {"nemo_checkpoint": self._last_saved, "versions": TARGET_VERSIONS}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """The NeMo checkpoint was restored by ``init_using_ptl`` before the trainer existed; check it is
+        the one this trainer checkpoint refers to."""
+        wanted = state.get("nemo_checkpoint")
+        if wanted is None:
+            raise ValueError("this checkpoint was not written by the NeMo-Aligner actor (no nemo_checkpoint)")
+        if self.restored_from is None or Path(self.restored_from).resolve() != Path(wanted).resolve():
+            raise RuntimeError(f"trainer checkpoint refers to {wanted} but the model was restored from "
+                               f"{self.restored_from}; start through laconic_nemo.nemo_entry")

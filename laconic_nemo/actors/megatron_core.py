@@ -221,6 +221,13 @@ class MegatronCoreActor:
         return self.info.world_size
 
     @property
+    def model_parallel_group(self):
+        """The TP x PP group of this rank (ranks holding the same data and sampled tokens)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_model_parallel_group()
+
+    @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel of this rank (unwrapped from DDP)."""
         return self.model[0].module
@@ -280,6 +287,40 @@ class MegatronCoreActor:
     def reset_reference(self) -> None:
         """Freeze the current weights (CPU copy) as the reference policy pi_ref."""
         self._ref_state = {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+
+    def snapshot_reference(self) -> None:
+        """PolicyActor contract: the current weights become pi_ref (only kept when kl_beta > 0)."""
+        if self.kl_beta > 0:
+            self.reset_reference()
+
+    # ------------------------------------------------------------------ optimiser control
+    def set_learning_rate(self, lr: float) -> None:
+        """Peak learning rate from the next optimiser step on (warmup schedule unchanged)."""
+        if not lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        """Drop the Adam moments and restart the schedule at step 0 with peak learning rate ``lr``."""
+        self.set_learning_rate(lr)
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in inner:
+            opt.optimizer.state.clear()
+        self.step_count = 0
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights (CPU copies), e.g. a warmed-up policy to cache."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights saved by :meth:`model_state` (same layout); the optimiser is untouched."""
+        current = self._param_state()
+        missing = set(current) - set(state)
+        if missing:
+            raise ValueError(f"model state lacks tensors: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for k, v in current.items():
+                v.data.copy_(state[k].to(v.device))
 
     def _param_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}

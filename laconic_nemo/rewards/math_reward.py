@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
@@ -40,7 +39,7 @@ class RewardResult:
     scores: per response, ``(1 - format_weight) * correct + format_weight * has_boxed_answer``; 0 for an
         item that timed out or crashed its worker.  Shape [N].
     metrics: graded (answers sent to the verifier), correct, no_answer, timeouts, errors (counts);
-        accuracy (correct / N); seconds (wall time of the call).
+        accuracy (correct / N); seconds (wall time of the call); max_item_seconds (longest single item).
     statuses: per response, "correct" | "wrong" | "no_answer" | "timeout" | "error".  Shape [N].
     """
 
@@ -50,7 +49,7 @@ class RewardResult:
 
 
 def _worker_main(conn, soft_timeout_s: float, max_answer_chars: int, checker) -> None:
-    """Worker loop: receive chunks ``[(index, answer, golds), ...]``, send ``(index, status)`` per item."""
+    """Worker loop: receive chunks ``[(index, answer, golds), ...]``, send ``(index, status, seconds)`` per item."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     conn.send(("ready", os.getpid()))
     while True:
@@ -61,9 +60,10 @@ def _worker_main(conn, soft_timeout_s: float, max_answer_chars: int, checker) ->
         if chunk is None:
             return
         for index, pred, golds in chunk:
+            t0 = time.perf_counter()
             status = grade_extracted(pred, golds, timeout_s=soft_timeout_s, max_answer_chars=max_answer_chars,
                                      checker=checker)
-            conn.send((index, status))
+            conn.send((index, status, time.perf_counter() - t0))
 
 
 class _Worker:
@@ -227,12 +227,15 @@ class MathReward:
                 continue
             items.append((i, pred, golds))
 
+        item_seconds = [0.0]
         if self.num_workers == 0:
             for i, pred, golds in items:
+                t_item = time.perf_counter()
                 statuses[i] = grade_extracted(pred, golds, timeout_s=self.timeout_s,
                                               max_answer_chars=self.max_answer_chars, checker=self.checker)
+                item_seconds.append(time.perf_counter() - t_item)
         elif items:
-            self._grade_in_pool(items, statuses)
+            self._grade_in_pool(items, statuses, item_seconds)
 
         fw = self.format_weight
         scores = []
@@ -250,43 +253,46 @@ class MathReward:
             "errors": float(sum(s == "error" for s in statuses)),
             "accuracy": correct / n if n else 0.0,
             "seconds": time.perf_counter() - t0,
+            "max_item_seconds": max(item_seconds),
         }
         return RewardResult(scores=scores, metrics=metrics, statuses=statuses)
 
-    def _drain(self, w: _Worker, statuses: list[str] | None) -> None:
-        """Read every message waiting from worker ``w``; results go to ``statuses``."""
+    def _drain(self, w: _Worker, statuses: list[str] | None, item_seconds: list[float] | None = None) -> None:
+        """Read every message waiting from worker ``w``; results go to ``statuses`` / ``item_seconds``."""
         try:
             while w.conn.poll():
                 msg = w.conn.recv()
                 if msg[0] == "ready":
                     w.ready = True
                     continue
-                index, status = msg
+                index, status, seconds = msg
                 if w.chunk and w.chunk[0][0] == index:
                     w.chunk.popleft()
                     if statuses is not None:
                         statuses[index] = status
+                    if item_seconds is not None:
+                        item_seconds.append(seconds)
                 w.item_started = time.monotonic()
         except (EOFError, OSError):
             pass  # dead worker: handled by the caller through its exit code
 
-    def _replace(self, w: _Worker, status: str, statuses: list[str], queue: deque) -> None:
+    def _replace(self, w: _Worker, status: str, statuses: list[str], queue: deque, item_seconds: list[float]) -> None:
         """Kill ``w``, give its current item ``status``, requeue the rest of its chunk, start a replacement."""
         w.kill()
         if w.chunk:
             index = w.chunk.popleft()[0]
             statuses[index] = status
+            item_seconds.append(time.monotonic() - w.item_started)
             if w.chunk:
                 queue.appendleft(list(w.chunk))
         self._workers[self._workers.index(w)] = self._new_worker()
         self.replaced_workers += 1
 
-    def _grade_in_pool(self, items: list, statuses: list[str]) -> None:
+    def _grade_in_pool(self, items: list, statuses: list[str], item_seconds: list[float]) -> None:
         while len(self._workers) < self.num_workers:
             self._workers.append(self._new_worker())
         per = max(1, min(MAX_CHUNK, math.ceil(len(items) / (4 * self.num_workers))))
         queue = deque(items[k : k + per] for k in range(0, len(items), per))
-        pending = {i for i, _, _ in items}
         startup_failures = 0
         while True:
             for w in self._workers:
@@ -308,20 +314,17 @@ class MathReward:
             mp_wait(handles, timeout=wait_s)
             now = time.monotonic()
             for w in list(self._workers):
-                self._drain(w, statuses)
+                self._drain(w, statuses, item_seconds)
                 if not w.proc.is_alive():
-                    self._drain(w, statuses)
+                    self._drain(w, statuses, item_seconds)
                     if not w.ready:
                         startup_failures += 1
                         if startup_failures > 3 * self.num_workers:
                             raise RuntimeError(
                                 f"MathReward: grading workers keep dying at start (exit code {w.proc.exitcode})"
                             )
-                    self._replace(w, "error", statuses, queue)
+                    self._replace(w, "error", statuses, queue, item_seconds)
                 elif w.chunk and now - w.item_started >= self.timeout_s:
-                    self._replace(w, "timeout", statuses, queue)
+                    self._replace(w, "timeout", statuses, queue, item_seconds)
                 elif not w.ready and now - w.started_at >= STARTUP_TIMEOUT_S:
                     raise RuntimeError(f"MathReward: a grading worker did not start within {STARTUP_TIMEOUT_S} s")
-        left = pending.intersection(i for i, s in enumerate(statuses) if s == "no_answer")
-        if left:  # cannot happen: every dispatched item gets a status
-            warnings.warn(f"MathReward: {len(left)} items got no status", RuntimeWarning, stacklevel=2)

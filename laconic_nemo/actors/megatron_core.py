@@ -1,0 +1,692 @@
+"""Policy actor on bare megatron-core: GPTModel with tensor, pipeline and data parallelism.
+
+The same code runs on GPU over NCCL and on CPU over gloo (after :func:`laconic_nemo.megatron_env.
+apply_cpu_patches`). Every method is SPMD: call it on every rank.
+
+* Forward and backward go through megatron's ``get_forward_backward_func()`` schedule over
+  micro-batches, so pipeline parallelism works with the 1F1B schedule.
+* Log-probs come from the TP-sharded logits through
+  ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (the full vocabulary is never
+  gathered), with the vocabulary-padding columns masked out, so they are the exact log-softmax over the
+  real vocabulary.
+* Gradients are SUMMED over micro-batches and data-parallel ranks: ``TransformerConfig.
+  calculate_per_token_loss=True`` makes megatron's DDP reduce with a scaling factor of 1, the schedule
+  does not divide by the number of micro-batches, and ``finalize_model_grads`` is called without a token
+  count. A loss normalised by global counts (see :mod:`laconic_nemo.grpo.loss`) thus yields the global
+  objective's gradient.
+* Optimiser: megatron-core's plain (non-distributed) optimizer, Adam, global grad-norm clipping over
+  the model-parallel group; a constant learning rate with linear warmup.
+* Reference policy (``grpo.kl_beta > 0``): a frozen CPU copy of the initial weights, swapped into the
+  model for reference log-probs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
+from laconic_nemo.megatron_env import ParallelInfo, init_distributed
+from laconic_nemo.rollout import megatron_sampler
+
+ModelProvider = Callable[[bool, bool], torch.nn.Module]
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def _cfg_get(section: Any, key: str, default: Any = None) -> Any:
+    if section is None:
+        return default
+    if isinstance(section, dict):
+        return section.get(key, default)
+    return getattr(section, key, default) if key in section else default
+
+
+def pad_vocab_size(vocab_size: int, tp: int) -> int:
+    """Smallest multiple of ``tp`` that is >= vocab_size."""
+    return ((vocab_size + tp - 1) // tp) * tp
+
+
+class MegatronCoreActor:
+    """A megatron-core GPT policy implementing :class:`laconic_nemo.grpo.interfaces.PolicyActor`.
+
+    Use :meth:`from_config`. Attributes: ``model`` (list of model chunks, megatron DDP-wrapped),
+    ``optimizer`` (megatron optimizer), ``info`` (:class:`ParallelInfo`), ``vocab_size`` (real),
+    ``padded_vocab_size`` (multiple of TP), ``pad_id`` (fills rows after their end in generated tokens;
+    None = the EOS id).
+    """
+
+    def __init__(
+        self,
+        info: ParallelInfo,
+        transformer_config: Any,
+        model_provider: ModelProvider,
+        vocab_size: int,
+        padded_vocab_size: int,
+        lr: float,
+        weight_decay: float = 0.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
+        warmup_steps: int = 0,
+        grad_clip: float = 1.0,
+        kl_beta: float = 0.0,
+        micro_batch_size: int = 4,
+        pad_id: int | None = None,
+    ):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if lr < 0:
+            raise ValueError(f"optim.lr must be >= 0, got {lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {warmup_steps}")
+        if grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {grad_clip}")
+        if micro_batch_size < 1:
+            raise ValueError(f"grpo.micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.info = info
+        self.config = transformer_config
+        self.vocab_size = int(vocab_size)
+        self.padded_vocab_size = int(padded_vocab_size)
+        self.lr = float(lr)
+        self.warmup_steps = int(warmup_steps)
+        self.grad_clip = float(grad_clip)
+        self.kl_beta = float(kl_beta)
+        self.micro_batch_size = int(micro_batch_size)
+        self.pad_id = None if pad_id is None else int(pad_id)
+        self.device = info.device
+        self.step_count = 0
+
+        from megatron.core import parallel_state
+
+        pre = parallel_state.is_pipeline_first_stage()
+        post = parallel_state.is_pipeline_last_stage()
+        module = model_provider(pre, post)
+        module.to(self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
+        # Sum (not average) over micro-batches and DP: see the module docstring.
+        transformer_config.calculate_per_token_loss = True
+        transformer_config.finalize_model_grads_func = lambda chunks, num_tokens=None: finalize_model_grads(
+            chunks, None
+        )
+        transformer_config.no_sync_func = self.model[0].no_sync
+        transformer_config.grad_scale_func = None
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.lr,
+            weight_decay=float(weight_decay),
+            adam_beta1=float(adam_beta1),
+            adam_beta2=float(adam_beta2),
+            adam_eps=float(adam_eps),
+            clip_grad=0.0,  # clipped by hand in _clip_and_step (megatron's clip asserts CUDA tensors)
+            bf16=bool(transformer_config.bf16),
+            fp16=False,
+            params_dtype=transformer_config.params_dtype,
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self._forward_backward = get_forward_backward_func()
+        self._ref_state: dict[str, torch.Tensor] | None = None
+        if self.kl_beta > 0:
+            self.reset_reference()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg: Any, model_provider: ModelProvider | None = None) -> "MegatronCoreActor":
+        """Build from the OmegaConf of ``recipes/base.yaml`` (sections model, parallel, optim, grpo, run.seed).
+
+        Initialises torch.distributed / megatron parallel state (torchrun env vars or a single process).
+        model_provider: optional ``(pre_process, post_process) -> GPTModel`` (e.g. an architecture loaded
+        from a Hugging Face checkpoint); the default builds the synthetic GPT of ``cfg.model``.
+        ``cfg.model.vocab_size`` must be set either way (the real vocabulary; padding is internal).
+        """
+        model_cfg = cfg["model"]
+        par = cfg["parallel"]
+        optim = cfg["optim"]
+        grpo = cfg["grpo"]
+        seed = int(cfg["run"]["seed"])
+        tp = int(_cfg_get(par, "tensor_model_parallel_size", 1))
+        pp = int(_cfg_get(par, "pipeline_model_parallel_size", 1))
+        info = init_distributed(tp, pp, backend=str(_cfg_get(par, "backend", "auto")), seed=seed)
+        tconfig = build_transformer_config(model_cfg, tp, pp, on_gpu=info.device.type == "cuda")
+        vocab_size = int(model_cfg["vocab_size"])
+        padded = pad_vocab_size(vocab_size, tp)
+        if model_provider is None:
+            max_pos = int(_cfg_get(model_cfg, "max_position_embeddings", 4096))
+
+            def model_provider(pre_process: bool, post_process: bool):
+                return build_gpt_model(tconfig, padded, max_pos, pre_process, post_process)
+
+        return cls(
+            info,
+            tconfig,
+            model_provider,
+            vocab_size=vocab_size,
+            padded_vocab_size=padded,
+            lr=float(optim["lr"]),
+            weight_decay=float(_cfg_get(optim, "weight_decay", 0.0)),
+            adam_beta1=float(_cfg_get(optim, "adam_beta1", 0.9)),
+            adam_beta2=float(_cfg_get(optim, "adam_beta2", 0.999)),
+            adam_eps=float(_cfg_get(optim, "adam_eps", 1e-8)),
+            warmup_steps=int(_cfg_get(optim, "warmup_steps", 0)),
+            grad_clip=float(_cfg_get(optim, "grad_clip", 1.0)),
+            kl_beta=float(_cfg_get(grpo, "kl_beta", 0.0)),
+            micro_batch_size=int(_cfg_get(grpo, "micro_batch_size", 4)),
+            pad_id=_cfg_get(model_cfg, "pad_id", None),
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dp_rank(self) -> int:
+        return self.info.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.info.dp_size
+
+    @property
+    def dp_group(self):
+        return self.info.dp_group
+
+    @property
+    def tp_rank(self) -> int:
+        return self.info.tp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.info.pp_rank
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.info.is_last_stage
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def model_parallel_group(self):
+        """The TP x PP group of this rank (ranks holding the same data and sampled tokens)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_model_parallel_group()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel of this rank (unwrapped from DDP)."""
+        return self.model[0].module
+
+    # ------------------------------------------------------------------ helpers
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log p(labels) [b, s] from this rank's vocab shard of the logits [b, s, V/tp] (vocab-parallel
+        cross entropy; padded vocabulary columns excluded)."""
+        from megatron.core import tensor_parallel
+
+        logits = logits.float()
+        part = logits.shape[-1]
+        start = self.tp_rank * part
+        if start + part > self.vocab_size:
+            ids = torch.arange(start, start + part, device=logits.device)
+            logits = logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+    def _position_ids(self, b: int, s: int, start: int = 0) -> torch.Tensor:
+        return torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)
+
+    def _pad_rows(self, batch: TrainBatch, mbs: int) -> TrainBatch:
+        """Pad to a multiple of ``mbs`` rows (copies of row 0 with an empty response mask and zero advantage)
+        so every micro-batch has the same shape (pipeline p2p shapes are fixed)."""
+        n = len(batch)
+        extra = (-n) % mbs
+        if extra == 0:
+            return batch
+        idx = torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)])
+        out = batch.select(idx)
+        out.response_mask = out.response_mask.clone()
+        out.response_mask[n:] = 0
+        if out.advantages is not None:
+            out.advantages = out.advantages.clone()
+            out.advantages[n:] = 0
+        return out
+
+    def _pp_broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast ``tensor`` from the last pipeline stage to every stage (in place)."""
+        from megatron.core import parallel_state
+
+        if self.info.pp_size > 1:
+            dist.broadcast(
+                tensor,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return tensor
+
+    def _lr_at(self, step: int) -> float:
+        """Learning rate of optimiser step ``step`` (0-based): linear warmup over warmup_steps, then constant."""
+        if self.warmup_steps > 0 and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
+
+    # ------------------------------------------------------------------ reference policy
+    def reset_reference(self) -> None:
+        """Freeze the current weights (CPU copy) as the reference policy pi_ref."""
+        self._ref_state = {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+
+    def snapshot_reference(self) -> None:
+        """PolicyActor contract: the current weights become pi_ref (only kept when kl_beta > 0)."""
+        if self.kl_beta > 0:
+            self.reset_reference()
+
+    # ------------------------------------------------------------------ optimiser control
+    def set_learning_rate(self, lr: float) -> None:
+        """Peak learning rate from the next optimiser step on (warmup schedule unchanged)."""
+        if not lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        """Drop the Adam moments and restart the schedule at step 0 with peak learning rate ``lr``."""
+        self.set_learning_rate(lr)
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in inner:
+            opt.optimizer.state.clear()
+        self.step_count = 0
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights (CPU copies), e.g. a warmed-up policy to cache."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights saved by :meth:`model_state` (same layout); the optimiser is untouched."""
+        current = self._param_state()
+        missing = set(current) - set(state)
+        if missing:
+            raise ValueError(f"model state lacks tensors: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for k, v in current.items():
+                v.data.copy_(state[k].to(v.device))
+
+    def _param_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+    def _swap_in(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        current = self._param_state()
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in current.items()}
+        with torch.no_grad():
+            for k, v in current.items():
+                v.data.copy_(state[k].to(v.device))
+        return saved
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32), identical on every TP/PP rank."""
+        if reference:
+            if self._ref_state is None:
+                raise ValueError("reference log-probs need a reference policy (grpo.kl_beta > 0 or reset_reference())")
+            saved = self._swap_in(self._ref_state)
+            try:
+                return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
+            finally:
+                self._swap_in(saved)
+        n, T = batch.tokens.shape
+        if T < 2:
+            raise ValueError(f"tokens must have at least 2 positions, got T={T}")
+        mbs = min(micro_batch_size or self.micro_batch_size, n)
+        tokens = self._pad_rows(batch, mbs).tokens
+        chunks = list(tokens.split(mbs))
+
+        def forward_step(data_iterator, model):
+            tok = next(data_iterator).to(self.device)
+            labels = torch.roll(tok, shifts=-1, dims=1)
+            out = model(tok, self._position_ids(*tok.shape), None)
+
+            def loss_func(output):
+                logp = self.token_logprobs(output, labels)[:, :-1]
+                return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logprobs": logp.float()}
+
+            return out, loss_func
+
+        store = self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(chunks),
+            model=self.model,
+            num_microbatches=len(chunks),
+            seq_length=T,
+            micro_batch_size=mbs,
+            forward_only=True,
+        )
+        if self.is_last_stage:
+            result = torch.cat([d["logprobs"] for d in store], dim=0)[:n].contiguous()
+        else:
+            result = torch.empty(n, T - 1, dtype=torch.float32, device=self.device)
+        return self._pp_broadcast(result).cpu()
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
+        """One optimiser step on this DP rank's minibatch ``batch``; see the module docstring.
+
+        Returns the loss metrics summed over micro-batches and DP ranks (loss functions report shares of
+        global means), plus ``grad_norm`` (before clipping) and ``lr``; identical on every rank.
+        """
+        n, T = batch.tokens.shape
+        mbs = min(micro_batch_size or self.micro_batch_size, n)
+        if mbs < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        padded = self._pad_rows(batch, mbs)
+        micro = [padded.select(slice(i, i + mbs)) for i in range(0, len(padded), mbs)]
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tok = mb.tokens.to(self.device)
+            labels = torch.roll(tok, shifts=-1, dims=1)
+            out = model(tok, self._position_ids(*tok.shape), None)
+
+            def loss_func(output):
+                logp = self.token_logprobs(output, labels)[:, :-1]
+                loss, metrics = loss_fn(logp, mb)
+                return loss, torch.tensor(1, dtype=torch.int), metrics
+
+            return out, loss_func
+
+        store = self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=T,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+        lr = self._lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = self._clip_and_step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(store)
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
+        return metrics
+
+    @torch.no_grad()
+    def _clip_and_step(self) -> float:
+        """Megatron's step, with the global grad-norm clip done here: copy main grads, norm over the
+        model-parallel group (TP duplicates counted once), scale by clip / (norm + 1e-6) when below 1, step.
+        Returns the norm before clipping."""
+        found_inf = self.optimizer.prepare_grads()
+        if found_inf:
+            raise RuntimeError("non-finite gradients: optimizer step refused")
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise RuntimeError(f"non-finite gradient norm {grad_norm}: optimizer step refused")
+        if self.grad_clip > 0:
+            coeff = self.grad_clip / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for p in self.optimizer.get_parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coeff)
+        self.optimizer.step_with_ready_grads()
+        return grad_norm
+
+    def _reduce_metrics(self, store: list[dict[str, float]]) -> dict[str, float]:
+        """Sum metric dicts over micro-batches and DP (on the last stage), then share them over PP."""
+        from megatron.core import parallel_state
+
+        payload: list[Any] = [None]
+        if self.is_last_stage:
+            keys = sorted(store[0].keys()) if store else []
+            values = torch.tensor(
+                [sum(float(d[k]) for d in store) for k in keys], dtype=torch.float64, device=self.device
+            )
+            if self.dp_size > 1 and keys:
+                dist.all_reduce(values, group=self.dp_group)
+            payload = [dict(zip(keys, values.tolist()))]
+        if self.info.pp_size > 1:
+            dist.broadcast_object_list(
+                payload,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return dict(payload[0])
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample one response per prompt with megatron's KV cache (``InferenceParams``); see
+        :mod:`laconic_nemo.rollout.megatron_sampler`. Returns CPU tensors, identical on every TP/PP rank."""
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.inference_params import InferenceParams
+
+        megatron_sampler.check_sampling(sampling)
+        if not 0 <= sampling.eos_id < self.vocab_size:
+            raise ValueError(f"sampling.eos_id must be in [0, {self.vocab_size}), got {sampling.eos_id}")
+        B = len(prompts)
+        max_len = max(len(p) for p in prompts) + int(sampling.max_new_tokens)
+        max_pos = getattr(self.module, "max_sequence_length", None)
+        if max_pos is not None and max_len > max_pos:
+            raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings {max_pos}")
+        params = InferenceParams(max_batch_size=B, max_sequence_length=max_len)
+
+        def step(tokens: torch.Tensor, start: int):
+            tok = tokens.to(self.device)
+            box: list[torch.Tensor] = []
+
+            def forward_step(data_iterator, model):
+                next(data_iterator)
+                out = model(tok, self._position_ids(*tok.shape, start=start), None, inference_params=params)
+
+                def loss_func(output):
+                    last = output[:, -1, :].float()
+                    full = tensor_parallel.gather_from_tensor_model_parallel_region(last)
+                    box.append(full[:, : self.vocab_size])
+                    return last.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
+
+                return out, loss_func
+
+            self._forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter([None]),
+                model=self.model,
+                num_microbatches=1,
+                seq_length=tok.shape[1],
+                micro_batch_size=B,
+                forward_only=True,
+            )
+            params.sequence_len_offset += tok.shape[1]
+            if self.is_last_stage and self.tp_rank == 0:
+                return box[0].cpu()
+            return None
+
+        def broadcast(sampled: torch.Tensor | None, b: int) -> torch.Tensor:
+            # TP rank 0 of the last stage decides; its tokens go to the other TP ranks, then to other stages.
+            buf = sampled.to(self.device) if sampled is not None else torch.empty(b, dtype=torch.long, device=self.device)
+            if self.is_last_stage and self.info.tp_size > 1:
+                dist.broadcast(
+                    buf,
+                    src=parallel_state.get_tensor_model_parallel_src_rank(),
+                    group=parallel_state.get_tensor_model_parallel_group(),
+                )
+            return self._pp_broadcast(buf).cpu()
+
+        return megatron_sampler.sample(step, broadcast, prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """This rank's model, optimiser and scheduler state (deep copies, ``torch.save``-able)."""
+        return {
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": {"step_count": self.step_count, "lr": self.lr, "warmup_steps": self.warmup_steps},
+            "reference": None if self._ref_state is None else {k: v.clone() for k, v in self._ref_state.items()},
+            "parallel": {"tp": self.info.tp_size, "pp": self.info.pp_size, "tp_rank": self.tp_rank,
+                         "pp_rank": self.pp_rank},
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict_for_checkpoint` returned (same TP/PP layout)."""
+        par = state.get("parallel", {})
+        if par and (par.get("tp"), par.get("pp")) != (self.info.tp_size, self.info.pp_size):
+            raise ValueError(
+                f"checkpoint was written with tp={par.get('tp')}, pp={par.get('pp')}; this run has "
+                f"tp={self.info.tp_size}, pp={self.info.pp_size}"
+            )
+        current = self._param_state()
+        missing = set(current) - set(state["model"])
+        if missing:
+            raise ValueError(f"checkpoint lacks model tensors: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for k, v in current.items():
+                v.data.copy_(state["model"][k].to(v.device))
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.step_count = int(state["scheduler"]["step_count"])
+        ref = state.get("reference")
+        self._ref_state = None if ref is None else {k: v.clone() for k, v in ref.items()}
+
+    # ------------------------------------------------------------------ full (unsharded) tensors
+    def _global_name(self, name: str) -> str:
+        """Local parameter name -> name in the unsharded single-stage model (global layer index)."""
+        if name.startswith(_LAYER_PREFIX):
+            rest = name[len(_LAYER_PREFIX):]
+            idx, tail = rest.split(".", 1)
+            offset = self.pp_rank * (self.config.num_layers // self.info.pp_size)
+            return f"{_LAYER_PREFIX}{int(idx) + offset}.{tail}"
+        return name
+
+    def _local_tensors(self, grads: bool) -> dict[str, tuple[torch.Tensor, Any]]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            if grads:
+                g = getattr(p, "main_grad", None)
+                if g is None:
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                t = g
+            else:
+                t = p
+            out[name] = (t.detach(), p)
+        return out
+
+    def _gather_full(self, grads: bool) -> dict[str, torch.Tensor]:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        mine = {}
+        for name, (t, p) in self._local_tensors(grads).items():
+            if getattr(p, "tensor_model_parallel", False) and self.info.tp_size > 1:
+                parts = [torch.empty_like(t) for _ in range(self.info.tp_size)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=p.partition_dim)
+            t = t.float().cpu().clone()
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                t = t[: self.vocab_size]
+            mine[self._global_name(name)] = t
+        if self.info.pp_size > 1:
+            everything: list[Any] = [None] * self.info.pp_size
+            dist.all_gather_object(everything, mine, group=parallel_state.get_pipeline_model_parallel_group())
+            full = {}
+            for d in everything:
+                full.update(d)
+            return full
+        return mine
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded float32 CPU weights (TP shards concatenated, PP stages merged, vocab padding removed),
+        named as in a TP=1/PP=1 GPTModel; identical on every rank."""
+        return self._gather_full(grads=False)
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients (``main_grad``) of the last backward, same naming as :meth:`full_state_dict`."""
+        return self._gather_full(grads=True)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (naming of :meth:`full_state_dict`): pad the vocabulary, take this rank's
+        TP shard and PP layers. Padded vocabulary rows are set to zero."""
+        for name, p in self.module.named_parameters():
+            key = self._global_name(name)
+            if key not in full:
+                raise KeyError(f"full state dict lacks {key!r}")
+            t = full[key].to(torch.float32)
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight") and t.shape[0] < self.padded_vocab_size:
+                t = torch.cat([t, t.new_zeros(self.padded_vocab_size - t.shape[0], *t.shape[1:])], dim=0)
+            if getattr(p, "tensor_model_parallel", False) and self.info.tp_size > 1:
+                t = t.chunk(self.info.tp_size, dim=p.partition_dim)[self.tp_rank]
+            if t.shape != p.shape:
+                raise ValueError(f"{key}: shard shape {tuple(t.shape)} does not match parameter {tuple(p.shape)}")
+            p.data.copy_(t.to(p.device, p.dtype))
+
+
+def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
+    """megatron TransformerConfig for the synthetic GPT (fusions off, dropout 0, fp32 on CPU)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    precision = str(_cfg_get(model_cfg, "precision", "fp32"))
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
+    if precision == "bf16" and not on_gpu:
+        raise ValueError("model.precision=bf16 needs a GPU; use fp32 on CPU")
+    num_layers = int(model_cfg["num_layers"])
+    if num_layers % pp != 0:
+        raise ValueError(f"model.num_layers={num_layers} must be divisible by pipeline_model_parallel_size={pp}")
+    heads = int(model_cfg["num_attention_heads"])
+    if heads % tp != 0:
+        raise ValueError(f"model.num_attention_heads={heads} must be divisible by tensor_model_parallel_size={tp}")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=int(model_cfg["hidden_size"]),
+        num_attention_heads=heads,
+        ffn_hidden_size=int(_cfg_get(model_cfg, "ffn_hidden_size", 4 * int(model_cfg["hidden_size"]))),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=precision == "bf16",
+        use_cpu_initialization=not on_gpu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embeddings: int, pre_process: bool,
+                    post_process: bool):
+    """megatron-core GPTModel with the local (non-TransformerEngine) layer spec and RoPE, untied output."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(
+        config=tconfig,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )

@@ -1,0 +1,157 @@
+"""Autoregressive sampling loop for the megatron-core actor (engine-agnostic part).
+
+The loop is written against a ``step`` callable supplied by the actor, so the sampling logic (prompt
+forcing, temperature, top-p, EOS, per-sample random streams) is independent of how the logits are
+produced (KV-cached megatron forward, TP/PP schedule, or a plain torch model in tests).
+
+Layout: prompts of different lengths sit right-aligned-free in one buffer ``[B, P_max + L_max]``
+(each prompt starts at position 0, so RoPE positions are the true positions). The prefill covers the
+shortest prompt; afterwards one position is decoded per step, and rows whose prompt is longer than the
+current position are fed their own prompt token instead of a sample (the classic Megatron loop). A
+row finishes on EOS (kept in ``tokens``, counted in ``response_lengths``, not in ``lengths``) or after
+``max_new_tokens`` generated tokens (``truncated``).
+
+Randomness: sample ``i`` draws from its own ``torch.Generator`` seeded by ``(seed, stream, i)`` (stream
+= the data-parallel rank), one uniform per generated token, so a sample's tokens do not depend on the
+other prompts in the batch nor on how the batch is split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
+
+# step(tokens [B, s] long, start: int) -> logits [B, V] float of the LAST position of the chunk (full real
+# vocabulary, identical on every rank that returns them) or None on ranks that do not sample.
+StepFn = Callable[[torch.Tensor, int], "torch.Tensor | None"]
+# broadcast(tokens [B] long or None) -> the deciding rank's tokens on every model-parallel rank.
+BroadcastFn = Callable[["torch.Tensor | None", int], torch.Tensor]
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Raise ValueError naming the bad field of ``sampling``."""
+    if not sampling.temperature > 0:
+        raise ValueError(f"sampling.temperature must be > 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+
+
+def sample_seed(seed: int, stream: int, index: int) -> int:
+    """Seed of sample ``index`` of random stream ``stream`` (a 63-bit mix of the three integers)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(stream) * 0xBF58476D1CE4E5B9 + int(index) * 0x94D049BB133111EB) & (
+        (1 << 64) - 1
+    )
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
+    x ^= x >> 32
+    return x & ((1 << 63) - 1)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution [B, V] (float64) from logits [B, V]: softmax(logits / temperature), then the
+    nucleus: the smallest set of most probable tokens whose mass reaches top_p (ties broken by token id),
+    renormalised."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = mass_before < top_p  # always keeps the most probable token
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [B, V] float64, uniforms [B] in [0, 1) -> token ids [B]."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # never land on a zero-probability token (u at the top of the cdf, float round-off)
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    last_nonzero = (probs > 0).to(torch.int64).cumsum(-1).argmax(-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+@torch.no_grad()
+def sample(
+    step: StepFn,
+    broadcast: BroadcastFn,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    stream: int = 0,
+    pad_id: int | None = None,
+) -> GenerationOutput:
+    """Sample one response per prompt. Call on every model-parallel rank (SPMD).
+
+    step / broadcast: see ``StepFn`` / ``BroadcastFn``; ``step`` is called with the prefill chunk first
+    (start 0) and then with one token per call, in order, so it may keep a KV cache.
+    prompts: B lists of token ids (each non-empty). stream: random stream id (data-parallel rank).
+    pad_id: id written after the end of each row (default ``sampling.eos_id``).
+    Returns CPU tensors as described in :class:`GenerationOutput`.
+    """
+    check_sampling(sampling)
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    pad = sampling.eos_id if pad_id is None else pad_id
+    B = len(prompts)
+    L_max = int(sampling.max_new_tokens)
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    P_min, P_max = int(prompt_lens.min()), int(prompt_lens.max())
+    buf = torch.full((B, P_max + L_max), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    gens = [torch.Generator().manual_seed(sample_seed(sampling.seed, stream, i)) for i in range(B)]
+
+    generated = torch.zeros(B, dtype=torch.long)  # tokens generated so far (EOS included)
+    done = torch.zeros(B, dtype=torch.bool)
+    hit_eos = torch.zeros(B, dtype=torch.bool)
+    cur = P_min  # positions [0, cur) have been fed
+    logits = step(buf[:, :cur], 0)
+    while True:
+        # choose the token at position ``cur`` for every row
+        in_prompt = prompt_lens > cur
+        active = ~in_prompt & ~done
+        if logits is not None:
+            probs = filtered_probs(logits, sampling.temperature, sampling.top_p)
+            # one uniform per generated token of each active row: the stream does not depend on the batch
+            u = torch.zeros(B, dtype=torch.float64)
+            for i in torch.nonzero(active).flatten().tolist():
+                u[i] = torch.rand((), generator=gens[i], dtype=torch.float64)
+            sampled = draw(probs, u)
+        else:
+            sampled = None
+        sampled = broadcast(sampled, B)
+        if logits is None:  # keep the generators in step on ranks that did not sample
+            for i in torch.nonzero(active).flatten().tolist():
+                torch.rand((), generator=gens[i], dtype=torch.float64)
+        nxt = torch.where(active, sampled, buf[:, cur])
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        buf[:, cur] = nxt
+        generated += active.long()
+        new_eos = active & (nxt == sampling.eos_id)
+        hit_eos |= new_eos
+        done |= new_eos | (active & (generated >= L_max))
+        cur += 1
+        if bool(done.all()) or cur >= buf.shape[1]:
+            break
+        logits = step(buf[:, cur - 1 : cur], cur - 1)
+
+    response_lengths = generated
+    lengths = generated - hit_eos.long()
+    truncated = ~hit_eos & (generated >= L_max)
+    T = int((prompt_lens + response_lengths).max())
+    return GenerationOutput(
+        tokens=buf[:, :T].clone(),
+        prompt_lengths=prompt_lens,
+        response_lengths=response_lengths,
+        lengths=lengths,
+        truncated=truncated,
+    )

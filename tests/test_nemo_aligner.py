@@ -239,3 +239,13 @@ def test_checkpoint_hooks_carry_laconic_state():
     finally:
         parent.on_save_checkpoint, parent.on_load_checkpoint = orig_save, orig_load
     assert restored.restored_laconic_state == {"step": 3, "shaper": {"lam": 0.25}}
+
+
+def test_entry_rejects_bad_keys_before_anything_starts(capsys):
+    from laconic_nemo.nemo_entry import main
+
+    recipe = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
+    assert main([recipe, "grpo.groupsize=4"]) == 2
+    assert "grpo.groupsize" in capsys.readouterr().err
+    assert main([recipe, "laconic.budget=9000"]) == 2  # B must stay below L_max
+    assert "laconic.budget" in capsys.readouterr().err

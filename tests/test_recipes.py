@@ -109,3 +109,17 @@ def test_recipe_has_launch_script_and_fits_its_nodes(recipe):
     else:
         assert (plan.tp, plan.pp) == (1, 1), "1.5B runs are pure data parallel"
     assert cfg.model.precision == "bf16"
+
+
+def test_every_launch_script_names_an_existing_recipe_and_converts_when_needed():
+    scripts = launch_scripts()
+    assert len(scripts) == len(RECIPES)
+    for stem, (script, _) in scripts.items():
+        assert (ROOT / "recipes" / f"{stem}.yaml").is_file(), script.name
+        cfg = load_config(ROOT / "recipes" / f"{stem}.yaml")
+        text = script.read_text()
+        chained = str(cfg.model.path).startswith("/results/")  # ThinkPrune stages start from the previous policy
+        if cfg.model.source == "nemo" and not chained:
+            assert "HF_MODEL=" in text, f"{script.name}: a .nemo recipe needs the HF checkpoint to convert"
+        else:
+            assert "HF_MODEL=" not in text, script.name

@@ -36,7 +36,8 @@ def base_config_path() -> Path:
 def resolve_recipe_path(name: str | Path) -> Path:
     """A recipe path, or a bare recipe name looked up in the recipes folder."""
     p = Path(name)
-    candidates = [p, p.with_suffix(".yaml")] if p.suffix != ".yaml" else [p]
+    # Recipe names contain dots (deepscaler_1.5b_b2000), so ".yaml" is appended, never substituted.
+    candidates = [p] if p.name.endswith(".yaml") else [p, p.with_name(p.name + ".yaml")]
     for folder in (REPO_RECIPES, PACKAGE_RECIPES):
         candidates += [folder / p.name, folder / f"{p.name}.yaml"]
     for c in candidates:
@@ -58,9 +59,9 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise ConfigError(f"{path}: `defaults` must be a list of recipe names")
     merged = OmegaConf.create({})
     for parent in parents:
-        parent_path = (path.parent / str(parent))
-        if parent_path.suffix != ".yaml":
-            parent_path = parent_path.with_suffix(".yaml")
+        parent_path = path.parent / str(parent)
+        if not parent_path.name.endswith(".yaml"):
+            parent_path = parent_path.with_name(parent_path.name + ".yaml")
         if not parent_path.is_file():
             raise ConfigError(f"{path}: defaults entry {parent!r} not found at {parent_path}")
         merged = OmegaConf.merge(merged, _load_with_defaults(parent_path.resolve(), (*seen, path)))

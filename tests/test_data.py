@@ -52,18 +52,23 @@ def test_synthetic_solutions_are_right_and_have_the_documented_lengths():
         assert 2 <= len(p.terms) <= 8
         w = worked_solution(p, filler=3)
         assert w.endswith(f"\\boxed{{{sum(p.terms) % 10}}}")
-        assert len(worked_solution(p)) == 6 * (len(p.terms) - 1) + 9
+        assert len(worked_solution(p)) == 5 * len(p.terms) + 9
+        # each step is <letter><digit>:<running sum mod 10>, checked against a direct recomputation
+        steps = worked_solution(p).split("\\boxed")[0].rstrip(",").split(",")
+        running = [int(st.split(":")[1]) for st in steps]
+        assert running == [sum(p.terms[: i + 1]) % 10 for i in range(len(p.terms))]
         assert len(w) - len(worked_solution(p)) == 3 * len("hmm. ")
         assert abbreviated_solution(p) == f"\\boxed{{{p.answer}}}"
     # expected lengths: exact enumeration over k agrees with style_lengths()
     ks = range(2, 9)
-    assert task.style_lengths()["worked"] == pytest.approx(sum(6 * (k - 1) + 9 for k in ks) / 7)
-    assert Problem((9, 9, 3)).answer == "1" and Problem((9, 9, 3)).prompt == "Q:9+9+3\n"
+    assert task.style_lengths()["worked"] == pytest.approx(sum(5 * k + 9 for k in ks) / 7)
+    assert Problem((9, 9, 3)).answer == "1" and Problem((9, 9, 3)).prompt == "Q:a9b9c3\n"
+    assert worked_solution(Problem((9, 9, 3)), filler=1) == "hmm. a9:9,b9:8,c3:1,\\boxed{1}"
 
 
 def test_char_tokenizer_round_trip_and_errors():
     tok = CharTokenizer()
-    s = "Q:1+2\nhmm. 1+2=3;\\boxed{3}"
+    s = "Q:a1b2\nhmm. a1:1,b2:3,\\boxed{3}"
     ids = tok.encode(s)
     assert len(ids) == len(s) and tok.decode(ids + [tok.eos_id, tok.pad_id]) == s
     with pytest.raises(ValueError, match="alphabet"):

@@ -1,28 +1,31 @@
 """A synthetic verifiable task on which response length buys accuracy (the tiny CPU demo).
 
-Problem: the sum modulo 10 of ``k`` single digits, ``k`` drawn from ``[min_terms, max_terms]``::
+Problem: the sum modulo 10 of ``k`` single digits, ``k`` drawn from ``[min_terms, max_terms]``; each
+digit is labelled with a letter so that a worked solution can look it up by content::
 
-    prompt:   "Q:3+5+2+7\\n"
+    prompt:   "Q:a3b5c2d7\n"
     answer:   "7"
 
 Three ways of answering, mixed in the warm-up (supervised) data:
 
-* **worked** (long, reliable): one line per partial sum, then the boxed answer::
+* **worked** (long, reliable): one 5-token step per term, ``<letter><digit>:<running sum>,``, then
+  the boxed answer::
 
-      3+5=8;8+2=0;0+7=7;\\boxed{7}
+      a3:3,b5:8,c2:0,d7:7,\boxed{7}
 
-  Each line is a single-digit addition mod 10, which a tiny model learns well, so the worked
-  style is right almost always. Its length grows with ``k`` (6 characters per step).
+  Each step is a lookup of the next letter's digit in the prompt plus a single-digit addition mod 10
+  with the running sum four tokens back, which a tiny model learns well, so the worked style is
+  right almost always. Its length is ``5 k + 9`` tokens.
 * **padded worked**: the same, preceded by ``filler`` repetitions of a thinking phrase ("hmm. "),
   which costs length and changes nothing about correctness (the filler is BEFORE the work, so it
   cannot disturb the arithmetic).
-* **abbreviated** (short, unreliable): the boxed answer alone, ``\\boxed{7}``. A tiny model cannot
-  add several digits in one step, so this style is right mostly for small ``k``.
+* **abbreviated** (short, unreliable): the boxed answer alone, ``\boxed{7}`` (9 tokens). A tiny model
+  cannot add several digits in one step, so this style is right mostly for small ``k``.
 
-With the budget B between the abbreviated mean length (9) and the worked mean length (~33 for
-k in [2, 8]), the length constraint is active at the optimum: a policy at B must give up some
-worked solutions, and LACONIC's lambda settles above zero with the mean length at B. Plain GRPO
-has no reason to shorten (worked answers score best), so it stays well above B.
+With the budget B between the abbreviated mean length and the worked mean length, the length
+constraint is active at the optimum: a policy at B must give up some worked solutions, and
+LACONIC's lambda settles above zero with the mean length at B. Plain GRPO has no reason to shorten
+(worked answers score best), so it stays well above B.
 
 The character-level :class:`CharTokenizer` maps each character to one token, so "tokens" and
 characters coincide and the lengths above are the L of the cost.
@@ -34,7 +37,8 @@ import random
 from dataclasses import dataclass
 
 PAD, EOS = "<pad>", "<eos>"
-ALPHABET = "0123456789+=;:Q\n\\boxed{}hm. "
+LETTERS = "abcdefghijkl"
+ALPHABET = "0123456789:,Q\n\\boxed{}hm. " + LETTERS
 
 
 class CharTokenizer:
@@ -66,7 +70,7 @@ class Problem:
 
     @property
     def prompt(self) -> str:
-        return "Q:" + "+".join(str(t) for t in self.terms) + "\n"
+        return "Q:" + "".join(f"{LETTERS[i]}{t}" for i, t in enumerate(self.terms)) + "\n"
 
     @property
     def answer(self) -> str:
@@ -77,13 +81,12 @@ FILLER = "hmm. "
 
 
 def worked_solution(problem: Problem, filler: int = 0) -> str:
-    """The worked style: ``filler`` thinking phrases, one line per partial sum, the boxed answer."""
+    """The worked style: ``filler`` thinking phrases, one step per term, the boxed answer."""
     parts = [FILLER * filler]
-    acc = problem.terms[0]
-    for t in problem.terms[1:]:
-        new = (acc + t) % 10
-        parts.append(f"{acc}+{t}={new};")
-        acc = new
+    acc = 0
+    for i, t in enumerate(problem.terms):
+        acc = (acc + t) % 10
+        parts.append(f"{LETTERS[i]}{t}:{acc},")
     parts.append(f"\\boxed{{{acc}}}")
     return "".join(parts)
 
@@ -107,8 +110,9 @@ class SyntheticTask:
     max_filler: int = 4
 
     def __post_init__(self):
-        if not 2 <= self.min_terms <= self.max_terms:
-            raise ValueError(f"data.synthetic: need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not 2 <= self.min_terms <= self.max_terms <= len(LETTERS):
+            raise ValueError(f"data.synthetic: need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}"
+                             f" (max_terms at most {len(LETTERS)})")
         if not 0.0 <= self.p_abbreviated <= 1.0:
             raise ValueError(f"data.synthetic.p_abbreviated = {self.p_abbreviated} must be in [0, 1]")
 
@@ -130,7 +134,7 @@ class SyntheticTask:
     def style_lengths(self) -> dict[str, float]:
         """Expected response length (tokens, EOS excluded) of each style under this task's k range."""
         ks = range(self.min_terms, self.max_terms + 1)
-        worked = sum(6 * (k - 1) + 9 for k in ks) / len(ks)
+        worked = sum(5 * k + 9 for k in ks) / len(ks)
         filler = len(FILLER) * self.max_filler / 2
         return {
             "abbreviated": 9.0,

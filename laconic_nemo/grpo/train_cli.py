@@ -7,6 +7,7 @@ trains directly. The recipe is loaded and validated before any process, model or
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -24,13 +25,29 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a policy with GRPO + LACONIC from a recipe",
                               description=__doc__)
     p.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml) or recipe name")
-    p.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. laconic.budget=30)")
+    p.add_argument("overrides", nargs=argparse.REMAINDER,
+                   help="config overrides key=value (e.g. laconic.budget=30), in any order with --nprocs N")
     p.add_argument("--nprocs", type=int, default=None,
                    help="processes to start when not already under torchrun (default TP x PP)")
     p.set_defaults(func=run)
 
 
+def _split_nprocs(args) -> None:
+    """Take ``--nprocs N`` out of the overrides wherever it was written."""
+    rest, items = [], list(args.overrides or [])
+    while items:
+        item = items.pop(0)
+        if item == "--nprocs" and items:
+            args.nprocs = int(items.pop(0))
+        elif item.startswith("--nprocs="):
+            args.nprocs = int(item.split("=", 1)[1])
+        else:
+            rest.append(item)
+    args.overrides = rest
+
+
 def run(args) -> int:
+    _split_nprocs(args)
     try:
         cfg = load_config(args.recipe, args.overrides)
     except (ConfigError, FileNotFoundError) as exc:
@@ -198,8 +215,6 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log):
 
 
 def main(argv=None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="laconic-nemo")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

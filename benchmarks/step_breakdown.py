@@ -45,7 +45,7 @@ def main() -> int:
         return 1
     step = statistics.mean(r["step_seconds"] + r.get("time/checkpoint", 0.0) for r in rows)
     print(f"\n{len(rows)} steps, mean {step:.3f} s/step\n")
-    print(f"| phase | s/step | share |\n| --- | ---: | ---: |")
+    print("| phase | s/step | share |\n| --- | ---: | ---: |")
     for ph in PHASES:
         v = statistics.mean(r.get(f"time/{ph}", 0.0) for r in rows)
         print(f"| {ph} | {v:.4f} | {100 * v / step:5.1f}% |")

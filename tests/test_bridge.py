@@ -19,6 +19,7 @@ from bridge_common import BASE, hf_checkpoint_tensors, megatron_logits, tiny_hf_
 from laconic_nemo.bridge import (  # noqa: E402
     LazySafetensors,
     ModelArch,
+    actor_kwargs,
     arch_from_hf_config,
     export_hf_state_dict,
     hf_names,
@@ -221,3 +222,13 @@ def test_safetensors_dir_round_trip_and_transformers_reload(dist1, tmp_path):
     with torch.no_grad():
         assert torch.equal(hf2(input_ids=ids).logits, hf(input_ids=ids).logits)
     assert BASE["vocab_size"] == arch.vocab_size
+
+
+def test_actor_kwargs_share_one_config(dist1):
+    cfg, hf = tiny_hf_model("qwen3")
+    arch = arch_from_hf_config(cfg)
+    kw = actor_kwargs(arch, tp=1, pp=1, cpu=True)
+    model = kw["model_provider"](True, True)
+    assert model.config is kw["transformer_config"]  # settings the actor puts on the config reach the model
+    assert (kw["vocab_size"], kw["padded_vocab_size"]) == (100, 128)
+    assert model.embedding.word_embeddings.weight.shape[0] == kw["padded_vocab_size"]

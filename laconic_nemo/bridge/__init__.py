@@ -3,7 +3,7 @@
 Typical use on every rank of a TP x PP job::
 
     arch = arch_from_hf_config(path)
-    actor = MegatronCoreActor(..., model_provider=model_provider(arch))
+    actor = MegatronCoreActor(info, **actor_kwargs(arch, tp, pp), lr=...)
     load_hf_checkpoint(actor.model, path, arch)         # each rank reads only its shards
     ...
     save_hf_checkpoint(actor.model, arch, out_dir, source=path)  # gathered on global rank 0
@@ -23,11 +23,11 @@ from laconic_nemo.bridge.mapping import (
     load_hf_state_dict,
     weight_map,
 )
-from laconic_nemo.bridge.megatron import build_gpt_model, layer_spec, model_provider, transformer_config
+from laconic_nemo.bridge.megatron import actor_kwargs, build_gpt_model, layer_spec, model_provider, transformer_config
 
 __all__ = [
     "ModelArch", "arch_from_hf_config", "padded_vocab_size", "transformer_config", "layer_spec", "build_gpt_model",
-    "model_provider", "weight_map", "hf_names", "hf_shapes", "load_hf_state_dict", "export_hf_state_dict",
+    "model_provider", "actor_kwargs", "weight_map", "hf_names", "hf_shapes", "load_hf_state_dict", "export_hf_state_dict",
     "iter_hf_tensors", "LazySafetensors", "load_safetensors_dir", "save_safetensors_dir", "load_hf_checkpoint",
     "save_hf_checkpoint",
 ]

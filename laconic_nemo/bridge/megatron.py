@@ -141,22 +141,41 @@ def build_gpt_model(arch: ModelArch, config, pre_process: bool = True, post_proc
 
 
 def model_provider(arch: ModelArch, cpu: bool | None = None, dtype: torch.dtype | None = None,
-                   vocab_divisible_by: int = 128, parallel_output: bool = True,
+                   vocab_divisible_by: int = 128, parallel_output: bool = True, config=None,
                    **config_overrides) -> Callable[[bool, bool], object]:
     """A ``(pre_process, post_process) -> GPTModel`` callable for the actor.
 
-    TP and PP sizes are read from ``megatron.core.parallel_state`` when the callable runs (after the
-    process groups exist). ``cpu`` defaults to ``not torch.cuda.is_available()``.
+    config: the TransformerConfig every stage shares (pass the one the actor holds, so that settings the actor
+    puts on it, e.g. ``finalize_model_grads_func``, reach the model). Without it, one is built when the
+    callable runs, with TP and PP sizes from ``megatron.core.parallel_state``. ``cpu`` defaults to
+    ``not torch.cuda.is_available()``.
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
 
     def provide(pre_process: bool = True, post_process: bool = True):
-        from megatron.core import parallel_state as ps
+        cfg = config
+        if cfg is None:
+            from megatron.core import parallel_state as ps
 
-        tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        config = transformer_config(arch, tp=tp, pp=pp, cpu=cpu, dtype=dtype, **config_overrides)
-        return build_gpt_model(arch, config, pre_process, post_process, vocab_divisible_by, parallel_output)
+            tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            cfg = transformer_config(arch, tp=tp, pp=pp, cpu=cpu, dtype=dtype, **config_overrides)
+        return build_gpt_model(arch, cfg, pre_process, post_process, vocab_divisible_by, parallel_output)
 
     return provide
+
+
+def actor_kwargs(arch: ModelArch, tp: int, pp: int, cpu: bool | None = None, dtype: torch.dtype | None = None,
+                 vocab_divisible_by: int = 128, **config_overrides) -> dict:
+    """The model part of ``MegatronCoreActor(...)`` for ``arch``: ``transformer_config``, ``model_provider``
+    (sharing that config), ``vocab_size`` (HF) and ``padded_vocab_size`` (multiple of ``vocab_divisible_by * tp``)."""
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    config = transformer_config(arch, tp=tp, pp=pp, cpu=cpu, dtype=dtype, **config_overrides)
+    return {
+        "transformer_config": config,
+        "model_provider": model_provider(arch, cpu=cpu, vocab_divisible_by=vocab_divisible_by, config=config),
+        "vocab_size": arch.vocab_size,
+        "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
+    }

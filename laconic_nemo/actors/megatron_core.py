@@ -160,16 +160,30 @@ class MegatronCoreActor:
         tp = int(_cfg_get(par, "tensor_model_parallel_size", 1))
         pp = int(_cfg_get(par, "pipeline_model_parallel_size", 1))
         info = init_distributed(tp, pp, backend=str(_cfg_get(par, "backend", "auto")), seed=seed)
-        tconfig = build_transformer_config(model_cfg, tp, pp, on_gpu=info.device.type == "cuda")
-        vocab_size = int(model_cfg["vocab_size"])
-        padded = pad_vocab_size(vocab_size, tp)
+        on_gpu = info.device.type == "cuda"
+        hf_path = None
+        if str(_cfg_get(model_cfg, "source", "synthetic")) == "hf":
+            # A Hugging Face checkpoint: architecture, shapes and weights from the bridge.
+            from laconic_nemo.bridge import arch_from_hf_config
+            from laconic_nemo.bridge.megatron import actor_kwargs
+
+            hf_path = str(model_cfg["path"])
+            arch = arch_from_hf_config(hf_path)
+            dtype = torch.bfloat16 if str(_cfg_get(model_cfg, "precision", "fp32")) == "bf16" else None
+            parts = actor_kwargs(arch, tp, pp, cpu=not on_gpu, dtype=dtype)
+            tconfig, model_provider = parts["transformer_config"], parts["model_provider"]
+            vocab_size, padded = parts["vocab_size"], parts["padded_vocab_size"]
+        else:
+            tconfig = build_transformer_config(model_cfg, tp, pp, on_gpu=on_gpu)
+            vocab_size = int(model_cfg["vocab_size"])
+            padded = pad_vocab_size(vocab_size, tp)
         if model_provider is None:
             max_pos = int(_cfg_get(model_cfg, "max_position_embeddings", 4096))
 
             def model_provider(pre_process: bool, post_process: bool):
                 return build_gpt_model(tconfig, padded, max_pos, pre_process, post_process)
 
-        return cls(
+        actor = cls(
             info,
             tconfig,
             model_provider,
@@ -186,6 +200,15 @@ class MegatronCoreActor:
             micro_batch_size=int(_cfg_get(grpo, "micro_batch_size", 4)),
             pad_id=_cfg_get(model_cfg, "pad_id", None),
         )
+        if hf_path is not None:
+            from laconic_nemo.bridge import load_hf_checkpoint
+
+            load_hf_checkpoint(actor.model, hf_path, arch)
+            # mixed-precision optimizers keep fp32 master copies: refresh them from the loaded weights
+            if hasattr(actor.optimizer, "reload_model_params"):
+                actor.optimizer.reload_model_params()
+            actor.snapshot_reference()
+        return actor
 
     # ------------------------------------------------------------------ properties
     @property

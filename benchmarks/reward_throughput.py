@@ -87,30 +87,64 @@ def make_batches(rows: list, num_batches: int, prompts: int, group: int, seed: i
     return batches
 
 
-def run_mode(num_workers: int, batches, timeout_s: float) -> dict:
-    with MathReward(num_workers=num_workers, timeout_s=timeout_s) as reward:
-        if num_workers:
-            reward.start()  # pool start-up is paid once per training run, not per step
-        times, max_item, graded, timeouts, acc = [], 0.0, [], 0, []
+def _proc_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a live process (Linux /proc), nan elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _cpu_s(reward: MathReward) -> float:
+    return _proc_cpu_s(os.getpid()) + sum(_proc_cpu_s(pid) for pid in reward.worker_pids)
+
+
+def run_modes(worker_counts: list[int], batches, timeout_s: float) -> list[dict]:
+    """Score every batch with every mode, interleaved batch by batch so that load from other processes on a
+    shared machine hits all modes alike. Pools are started and every mode is warmed up before timing."""
+    import laconic_nemo.rewards._preload  # noqa: F401 - the same warm-up the pool's forkserver does
+
+    rewards = [MathReward(num_workers=w, timeout_s=timeout_s) for w in worker_counts]
+    stats = [{"times": [], "cpu": [], "graded": [], "unique": [], "max_item": 0.0, "timeouts": 0, "acc": []}
+             for _ in rewards]
+    try:
+        for reward in rewards:
+            if reward.num_workers:
+                reward.start()  # pool start-up is paid once per training run, not per step
         for responses, answers in batches:
-            res = reward.score(responses, answers)
-            times.append(res.metrics["seconds"])
-            max_item = max(max_item, res.metrics["max_item_seconds"])
-            graded.append(res.metrics["graded"])
-            timeouts += int(res.metrics["timeouts"])
-            acc.append(res.metrics["accuracy"])
+            for reward, st in zip(rewards, stats):
+                cpu0 = _cpu_s(reward)
+                res = reward.score(responses, answers)
+                st["cpu"].append(_cpu_s(reward) - cpu0)
+                st["times"].append(res.metrics["seconds"])
+                st["graded"].append(res.metrics["graded"])
+                st["unique"].append(res.metrics["unique_graded"])
+                st["max_item"] = max(st["max_item"], res.metrics["max_item_seconds"])
+                st["timeouts"] += int(res.metrics["timeouts"])
+                st["acc"].append(res.metrics["accuracy"])
+    finally:
+        for reward in rewards:
+            reward.close()
     n = len(batches[0][0])
-    return {
-        "workers": num_workers,
-        "responses_per_s": n * len(times) / sum(times),
-        "graded_per_s": sum(graded) / sum(times),
-        "mean_batch_s": statistics.mean(times),
-        "max_batch_s": max(times),
-        "batch_bound_s": math.ceil(max(graded) / max(1, num_workers)) * timeout_s,
-        "max_item_s": max_item,
-        "timeouts": timeouts,
-        "accuracy": statistics.mean(acc),
-    }
+    out = []
+    for w, st in zip(worker_counts, stats):
+        times = st["times"]
+        out.append({
+            "workers": w,
+            "responses_per_s": n * len(times) / sum(times),
+            "graded_per_s": sum(st["graded"]) / sum(times),
+            "unique_per_batch": statistics.mean(st["unique"]),
+            "mean_batch_s": statistics.mean(times),
+            "cpu_batch_s": statistics.mean(st["cpu"]),
+            "max_batch_s": max(times),
+            # worst case if every distinct answer ran into the hard timeout
+            "batch_bound_s": math.ceil(max(st["unique"]) / max(1, w)) * timeout_s,
+            "max_item_s": st["max_item"],
+            "timeouts": st["timeouts"],
+            "accuracy": statistics.mean(st["acc"]),
+        })
+    return out
 
 
 def main(argv=None) -> int:
@@ -132,22 +166,28 @@ def main(argv=None) -> int:
     print(f"batch: {args.prompts} prompts x {args.group} samples = {len(batches[0][0])} responses, "
           f"{args.batches} batches per mode, timeout_s={args.timeout}, cpus={os.cpu_count()}, "
           f"load avg {os.getloadavg()[0]:.2f}")
-    results = []
-    for w in modes:
-        t = time.perf_counter()
-        results.append(run_mode(w, batches, args.timeout))
-        print(f"  workers={w}: done in {time.perf_counter() - t:.1f} s", flush=True)
+    t = time.perf_counter()
+    results = run_modes(modes, batches, args.timeout)
+    print(f"  done in {time.perf_counter() - t:.1f} s", flush=True)
     base = results[0]["responses_per_s"]
     print()
-    print("| workers | responses/s | graded/s | ratio | mean batch s | max batch s | batch bound s | max item s "
-          "| timeouts | accuracy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workers | responses/s | graded/s | ratio | distinct answers/batch | mean batch s | CPU s/batch "
+          "| max batch s | worst-case bound s | max item s | timeouts | accuracy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['workers']} | {r['responses_per_s']:.0f} | {r['graded_per_s']:.0f} | "
-              f"{r['responses_per_s'] / base:.2f}x | {r['mean_batch_s']:.2f} | {r['max_batch_s']:.2f} | "
+              f"{r['responses_per_s'] / base:.2f}x | {r['unique_per_batch']:.0f} | {r['mean_batch_s']:.2f} | {r['cpu_batch_s']:.2f} | {r['max_batch_s']:.2f} | "
               f"{r['batch_bound_s']:.0f} | {r['max_item_s']:.3f} (bound {args.timeout}) | {r['timeouts']} | "
               f"{r['accuracy']:.3f} |")
     print(f"\nload avg after: {os.getloadavg()[0]:.2f}")
+    single = next((r for r in results if r["workers"] == 0), None)
+    if single is not None:
+        for r in results:
+            if r["workers"]:
+                # what the pool would reach with its cores to itself: CPU work per batch, split over the workers
+                ideal = single["cpu_batch_s"] / (r["cpu_batch_s"] / r["workers"])
+                print(f"workers={r['workers']}: CPU per batch {r['cpu_batch_s']:.2f} s vs {single['cpu_batch_s']:.2f} s "
+                      f"single -> speed-up bound with {r['workers']} idle cores: {ideal:.2f}x")
     return 0
 
 

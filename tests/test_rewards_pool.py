@@ -12,12 +12,12 @@ from laconic_nemo.rewards import MathReward, grade_one
 
 TIMEOUT_S = 2.0
 # Slack for process start-up / IPC on a loaded 2-core machine when checking wall time against the bound.
-SLACK_S = 3.0
+SLACK_S = 4.0
 
 
 def stubborn_checker(pred, golds):
     """Ignores the worker's interval timer (like a computation stuck in C code): only a kill stops it."""
-    if pred == "stuck":
+    if pred.startswith("stuck"):
         while True:
             try:
                 time.sleep(60)
@@ -72,13 +72,25 @@ def test_crash_scores_zero_and_pool_survives(stubborn):
 
 
 def test_many_stuck_items_each_bounded(stubborn):
-    # 4 stuck items on 2 workers: two rounds of kills, the batch ends within ~2 timeouts.
-    responses = [_box("stuck")] * 4 + [_box("7")] * 10
+    # 4 different stuck items on 2 workers: two rounds of kills, the batch ends within ~2 timeouts.
+    responses = [_box(f"stuck{k}") for k in range(4)] + [_box("7")] * 10
     start = time.perf_counter()
     res = stubborn.score(responses, ["7"] * 14)
     elapsed = time.perf_counter() - start
     assert res.statuses == ["timeout"] * 4 + ["correct"] * 10
     assert elapsed < 2 * TIMEOUT_S + SLACK_S
+    assert res.metrics["timeouts"] == 4 and res.metrics["unique_graded"] == 5
+
+
+def test_identical_answers_graded_once(stubborn):
+    # G samples giving the same pathological answer cost one timeout, not G.
+    responses = [_box("stuck")] * 16 + [_box("8")] * 16
+    start = time.perf_counter()
+    res = stubborn.score(responses, ["8"] * 32)
+    elapsed = time.perf_counter() - start
+    assert res.statuses == ["timeout"] * 16 + ["correct"] * 16
+    assert res.metrics["timeouts"] == 16 and res.metrics["graded"] == 32 and res.metrics["unique_graded"] == 2
+    assert elapsed < TIMEOUT_S + SLACK_S
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,8 @@ class RewardResult:
 
     scores: per response, ``(1 - format_weight) * correct + format_weight * has_boxed_answer``; 0 for an
         item that timed out or crashed its worker.  Shape [N].
-    metrics: graded (answers sent to the verifier), correct, no_answer, timeouts, errors (counts);
+    metrics: graded (responses with a boxed answer), unique_graded (distinct answer/reference pairs sent
+        to the verifier), correct, no_answer, timeouts, errors (counts over responses);
         accuracy (correct / N); seconds (wall time of the call); max_item_seconds (longest single item).
     statuses: per response, "correct" | "wrong" | "no_answer" | "timeout" | "error".  Shape [N].
     """
@@ -99,7 +100,8 @@ class MathReward:
         format_weight: weight in [0, 1] of the format term; reward =
             (1 - format_weight) * correct + format_weight * has_boxed_answer.
         max_answer_chars: boxed answers longer than this are graded wrong without parsing.
-        checker: optional picklable ``checker(pred, golds) -> bool`` replacing the math-verify check.
+        checker: optional picklable, deterministic ``checker(pred, golds) -> bool`` replacing the math-verify
+            check (identical answer/reference pairs of a batch are graded once).
         start_method: "forkserver" (default where available) or "spawn".
 
     Use as a context manager or call :meth:`close`; the pool is created on the first :meth:`score` call.
@@ -206,36 +208,38 @@ class MathReward:
         n = len(responses)
         statuses = ["no_answer"] * n
         gold_cache: dict = {}
-        items = []
+        unique: dict[tuple, list[int]] = {}  # (answer, references) -> indices of the responses giving it
+        graded = 0
         for i, (response, answer) in enumerate(zip(responses, answers)):
             if not isinstance(response, str):
                 raise ValueError(f"MathReward.score: responses[{i}] must be str, got {type(response).__name__}")
-            key = tuple(answer) if isinstance(answer, list) else answer
-            golds = gold_cache.get(key)
-            if golds is None:
-                try:
-                    golds = tuple(normalize_reference(answer))
-                except ValueError as exc:
-                    raise ValueError(f"MathReward.score: answers[{i}]: {exc}") from exc
-                gold_cache[key] = golds
+            golds = self._references(answer, i, gold_cache)
             pred = extract_answer(response)
             if pred is None:
                 continue
+            graded += 1
             pred = clean_answer(pred)
             if not pred or len(pred) > self.max_answer_chars:
                 statuses[i] = "wrong"
                 continue
-            items.append((i, pred, golds))
+            unique.setdefault((pred, golds), []).append(i)
 
+        # Grading is deterministic: each distinct (answer, references) pair is graded once (the G samples of
+        # a prompt often agree), which also keeps one pathological answer from costing G timeouts.
+        items = [(u, pred, golds) for u, (pred, golds) in enumerate(unique)]
+        unique_status = ["error"] * len(items)
         item_seconds = [0.0]
         if self.num_workers == 0:
-            for i, pred, golds in items:
+            for u, pred, golds in items:
                 t_item = time.perf_counter()
-                statuses[i] = grade_extracted(pred, golds, timeout_s=self.timeout_s,
-                                              max_answer_chars=self.max_answer_chars, checker=self.checker)
+                unique_status[u] = grade_extracted(pred, golds, timeout_s=self.timeout_s,
+                                                   max_answer_chars=self.max_answer_chars, checker=self.checker)
                 item_seconds.append(time.perf_counter() - t_item)
         elif items:
-            self._grade_in_pool(items, statuses, item_seconds)
+            self._grade_in_pool(items, unique_status, item_seconds)
+        for status, indices in zip(unique_status, unique.values()):
+            for i in indices:
+                statuses[i] = status
 
         fw = self.format_weight
         scores = []
@@ -246,7 +250,8 @@ class MathReward:
                 scores.append((1.0 - fw) * (s == "correct") + fw * (s != "no_answer"))
         correct = sum(s == "correct" for s in statuses)
         metrics = {
-            "graded": float(len(items)),
+            "graded": float(graded),
+            "unique_graded": float(len(items)),
             "correct": float(correct),
             "no_answer": float(sum(s == "no_answer" for s in statuses)),
             "timeouts": float(sum(s == "timeout" for s in statuses)),
@@ -256,6 +261,23 @@ class MathReward:
             "max_item_seconds": max(item_seconds),
         }
         return RewardResult(scores=scores, metrics=metrics, statuses=statuses)
+
+    @staticmethod
+    def _references(answer, i: int, cache: dict) -> tuple[str, ...]:
+        try:
+            key = (type(answer).__name__, tuple(answer) if isinstance(answer, list) else answer)
+            hash(key)
+        except TypeError:
+            key = None
+        golds = cache.get(key) if key is not None else None
+        if golds is None:
+            try:
+                golds = tuple(normalize_reference(answer))
+            except ValueError as exc:
+                raise ValueError(f"MathReward.score: answers[{i}]: {exc}") from exc
+            if key is not None:
+                cache[key] = golds
+        return golds
 
     def _drain(self, w: _Worker, statuses: list[str] | None, item_seconds: list[float] | None = None) -> None:
         """Read every message waiting from worker ``w``; results go to ``statuses`` / ``item_seconds``."""

@@ -45,9 +45,13 @@ first_host() {
         # sed reads all input (head would close the pipe early: SIGPIPE fails the pipeline under pipefail)
         scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed -n '1p'
     else
-        # dry run away from Slurm: the first entry of a plain comma-separated list
+        # dry run away from Slurm: the first host of a list such as "node[01-04,07],gpu3" or "a,b"
         local list="${SLURM_JOB_NODELIST:-localhost}"
-        echo "${list%%,*}"
+        if [[ "${list}" =~ ^([^,\[]+)\[([0-9]+) ]]; then
+            echo "${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
+        else
+            echo "${list%%,*}"
+        fi
     fi
 }
 

@@ -8,7 +8,14 @@ import torch
 
 from laconic_nemo.data.datasets import load_math_prompts, read_rows, render
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.data.synthetic import CharTokenizer, Problem, SyntheticTask, abbreviated_solution, worked_solution
+from laconic_nemo.data.synthetic import (
+    CharTokenizer,
+    Problem,
+    SyntheticTask,
+    abbreviated_solution,
+    compact_solution,
+    worked_solution,
+)
 from laconic_nemo.grpo.interfaces import response_mask
 
 
@@ -59,11 +66,26 @@ def test_synthetic_solutions_are_right_and_have_the_documented_lengths():
         assert running == [sum(p.terms[: i + 1]) % 10 for i in range(len(p.terms))]
         assert len(w) - len(worked_solution(p)) == 3 * len("hmm. ")
         assert abbreviated_solution(p) == f"\\boxed{{{p.answer}}}"
+        c = compact_solution(p)
+        assert len(c) == 2 * len(p.terms) + 9 and c.endswith(f"\\boxed{{{p.answer}}}")
+        assert [int(ch) for ch in c.split("\\boxed")[0][1::2]] == [sum(p.terms[: i + 1]) % 10 for i in range(len(p.terms))]
     # expected lengths: exact enumeration over k agrees with style_lengths()
     ks = range(2, 9)
     assert task.style_lengths()["worked"] == pytest.approx(sum(5 * k + 9 for k in ks) / 7)
     assert Problem((9, 9, 3)).answer == "1" and Problem((9, 9, 3)).prompt == "Q:a9b9c3\n"
     assert worked_solution(Problem((9, 9, 3)), filler=1) == "hmm. a9:9,b9:8,c3:1,\\boxed{1}"
+    assert compact_solution(Problem((9, 9, 3))) == "a9b8c1\\boxed{1}"
+    # the warm-up mix follows the configured shares (empirical frequencies over 4000 draws)
+    mix = SyntheticTask(p_abbreviated=0.15, p_compact=0.25)
+    rng = random.Random(1)
+    styles = []
+    for _ in range(4000):
+        _, r = mix.warmup_example(rng)
+        body = r.replace("hmm. ", "")
+        styles.append("abbr" if body.startswith("\\boxed") else "worked" if ":" in body else "compact")
+    assert abs(styles.count("abbr") / 4000 - 0.15) < 0.02 and abs(styles.count("compact") / 4000 - 0.25) < 0.025
+    with pytest.raises(ValueError, match="p_compact"):
+        SyntheticTask(p_abbreviated=0.6, p_compact=0.6)
 
 
 def test_char_tokenizer_round_trip_and_errors():

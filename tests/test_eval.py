@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import string
 from collections import defaultdict
 
 import pytest
@@ -16,37 +15,14 @@ pytest.importorskip("math_verify")
 from laconic_nemo.eval.backends import EvalSampling, TransformersBackend  # noqa: E402
 from laconic_nemo.eval.benchmarks import BENCHMARKS, INSTRUCTION, build_prompt, load_benchmark, parse_benchmarks  # noqa: E402
 from laconic_nemo.eval.runner import SAMPLES, evaluate, markdown_table, read_samples, summarize  # noqa: E402
+from tests.hf_fixtures import char_tokenizer, save_tiny_qwen2  # noqa: E402
 
 torch.set_num_threads(1)
-CHAT = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-
-
-def char_tokenizer():
-    """A character-level fast tokenizer over printable ASCII with <pad>, <eos>, <unk> and a chat template."""
-    from tokenizers import Tokenizer, decoders, models
-
-    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"]
-    vocab = {t: i for i, t in enumerate(specials + [c for c in string.printable if c not in "\x0b\x0c"])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.add_special_tokens(specials)
-    tok.decoder = decoders.Fuse()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                                unk_token="<unk>")
-    fast.chat_template = CHAT
-    return fast
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    tok = char_tokenizer()
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                   intermediate_size=64, vocab_size=len(tok), max_position_embeddings=4096,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 class CountingBackend(TransformersBackend):

@@ -16,16 +16,23 @@ Three ways of answering, mixed in the warm-up (supervised) data:
   Each step is a lookup of the next letter's digit in the prompt plus a single-digit addition mod 10
   with the running sum four tokens back, which a tiny model learns well, so the worked style is
   right almost always. Its length is ``5 k + 9`` tokens.
-* **padded worked**: the same, preceded by ``filler`` repetitions of a thinking phrase ("hmm. "),
+* **compact** (middle length, fairly reliable): the running sums alone, keyed by the letters,
+  ``a3b8c0d7\\boxed{7}`` (``2 k + 9`` tokens). The lookup and the addition happen in one step, so
+  it is somewhat less accurate than the worked style, but far more than the abbreviated one.
+* **padded**: a worked or compact answer preceded by ``filler`` repetitions of a thinking phrase ("hmm. "),
   which costs length and changes nothing about correctness (the filler is BEFORE the work, so it
   cannot disturb the arithmetic).
 * **abbreviated** (short, unreliable): the boxed answer alone, ``\boxed{7}`` (9 tokens). A tiny model
   cannot add several digits in one step, so this style is right mostly for small ``k``.
 
-With the budget B between the abbreviated mean length and the worked mean length, the length
-constraint is active at the optimum: a policy at B must give up some worked solutions, and
-LACONIC's lambda settles above zero with the mean length at B. Plain GRPO has no reason to shorten
-(worked answers score best), so it stays well above B.
+With the budget B between the compact mean length and the worked mean length, the length
+constraint is active at the optimum: a policy at B must give up some worked solutions (the long
+problems, whose worked answers are over B, switch to compact ones), and LACONIC's lambda settles
+above zero with the mean length at B. Under the paper's ceiling Lambda = B / (L_max - B) a switch
+from a long answer of length L to a short one happens only when the accuracy lost is below
+(L - B) / (L_max - B), so the short alternative must be nearly as good: the compact style is that
+alternative (the abbreviated one is not). Plain GRPO has no reason to shorten (worked answers score
+best), so it stays well above B.
 
 The character-level :class:`CharTokenizer` maps each character to one token, so "tokens" and
 characters coincide and the lengths above are the L of the cost.
@@ -91,6 +98,17 @@ def worked_solution(problem: Problem, filler: int = 0) -> str:
     return "".join(parts)
 
 
+def compact_solution(problem: Problem, filler: int = 0) -> str:
+    """The compact style: ``filler`` thinking phrases, ``<letter><running sum>`` per term, the boxed answer."""
+    parts = [FILLER * filler]
+    acc = 0
+    for i, t in enumerate(problem.terms):
+        acc = (acc + t) % 10
+        parts.append(f"{LETTERS[i]}{acc}")
+    parts.append(f"\\boxed{{{acc}}}")
+    return "".join(parts)
+
+
 def abbreviated_solution(problem: Problem) -> str:
     return f"\\boxed{{{problem.answer}}}"
 
@@ -101,20 +119,23 @@ class SyntheticTask:
 
     min_terms, max_terms: range of k (inclusive).
     p_abbreviated: share of warm-up solutions in the abbreviated style.
-    max_filler: padded solutions carry uniform 0..max_filler filler phrases.
+    p_compact: share of warm-up solutions in the compact style (the rest are worked).
+    max_filler: worked and compact solutions carry uniform 0..max_filler filler phrases.
     """
 
     min_terms: int = 2
     max_terms: int = 8
-    p_abbreviated: float = 0.2
+    p_abbreviated: float = 0.15
+    p_compact: float = 0.25
     max_filler: int = 4
 
     def __post_init__(self):
         if not 2 <= self.min_terms <= self.max_terms <= len(LETTERS):
             raise ValueError(f"data.synthetic: need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}"
                              f" (max_terms at most {len(LETTERS)})")
-        if not 0.0 <= self.p_abbreviated <= 1.0:
-            raise ValueError(f"data.synthetic.p_abbreviated = {self.p_abbreviated} must be in [0, 1]")
+        if not (0.0 <= self.p_abbreviated and 0.0 <= self.p_compact and self.p_abbreviated + self.p_compact <= 1.0):
+            raise ValueError(f"data.synthetic.p_abbreviated = {self.p_abbreviated}, p_compact = {self.p_compact}: "
+                             "both must be >= 0 with a sum <= 1")
 
     def problem(self, rng: random.Random) -> Problem:
         k = rng.randint(self.min_terms, self.max_terms)
@@ -127,18 +148,25 @@ class SyntheticTask:
     def warmup_example(self, rng: random.Random) -> tuple[str, str]:
         """(prompt, response) for supervised warm-up, styles mixed as configured."""
         p = self.problem(rng)
-        if rng.random() < self.p_abbreviated:
+        u = rng.random()
+        if u < self.p_abbreviated:
             return p.prompt, abbreviated_solution(p)
-        return p.prompt, worked_solution(p, filler=rng.randint(0, self.max_filler))
+        filler = rng.randint(0, self.max_filler)
+        if u < self.p_abbreviated + self.p_compact:
+            return p.prompt, compact_solution(p, filler=filler)
+        return p.prompt, worked_solution(p, filler=filler)
 
     def style_lengths(self) -> dict[str, float]:
         """Expected response length (tokens, EOS excluded) of each style under this task's k range."""
         ks = range(self.min_terms, self.max_terms + 1)
         worked = sum(5 * k + 9 for k in ks) / len(ks)
+        compact = sum(2 * k + 9 for k in ks) / len(ks)
         filler = len(FILLER) * self.max_filler / 2
+        p_worked = 1.0 - self.p_abbreviated - self.p_compact
         return {
             "abbreviated": 9.0,
+            "compact": compact,
             "worked": worked,
             "padded_worked": worked + filler,
-            "warmup_mix": self.p_abbreviated * 9.0 + (1 - self.p_abbreviated) * (worked + filler),
+            "warmup_mix": self.p_abbreviated * 9.0 + self.p_compact * (compact + filler) + p_worked * (worked + filler),
         }

@@ -120,6 +120,13 @@ class GRPOTrainer:
         self.local_minibatch = int(g.minibatch_size) // dp
         self.shaper = shaper_from_config(OmegaConf.to_container(cfg.laconic, resolve=True),
                                          max_length=int(cfg.rollout.max_new_tokens))
+        rng = cfg.data.target_length_range
+        if getattr(self.shaper, "needs_targets", False) and rng is None:
+            raise ValueError(f"laconic.shaper = {cfg.laconic.shaper} needs per-prompt target lengths: "
+                             "set data.target_length_range = [min, max]")
+        self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
+        if self.target_range and not 1 <= self.target_range[0] <= self.target_range[1]:
+            raise ValueError(f"data.target_length_range = {list(rng)}: need 1 <= min <= max")
         self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
                                      bool(cfg.data.shuffle))
         self.out = Path(cfg.run.output_dir)
@@ -149,7 +156,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ one step
     def _rollout(self, step: int, timer: Timer):
         indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
-        items = [self.prompts[i] for i in indices for _ in range(self.G)]
+        prompt_texts, targets = self._prompt_texts(step, indices)
+        items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
         prompt_ids = [self.encode(p) for p, _ in items]
         sampling = SamplingParams(
             temperature=float(self.cfg.rollout.temperature),
@@ -166,7 +174,23 @@ class GRPOTrainer:
         ]
         with timer("reward"):
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
-        return gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics
+        if targets is not None:
+            targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(self.G)
+        return gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets
+
+    def _prompt_texts(self, step: int, indices: list[int]):
+        """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
+        seed, step and prompt index only, so they do not depend on the layout)."""
+        texts = [self.prompts[i][0] for i in indices]
+        if self.target_range is None:
+            return texts, None
+        lo, hi = self.target_range
+        targets = []
+        for i in indices:
+            g = torch.Generator().manual_seed((int(self.cfg.run.seed) * 1_000_003 + step) * 1_000_033 + i)
+            targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
+        instruction = str(self.cfg.data.target_instruction)
+        return [t + instruction.format(target=n) for t, n in zip(texts, targets)], targets
 
     def _grade(self, texts, answers):
         """Grade on the first rank of the model-parallel group and broadcast (identical inputs there)."""
@@ -181,11 +205,11 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, Any]:
         timer = Timer({})
         t_start = time.perf_counter()
-        gen, texts, task_reward, reward_metrics = self._rollout(step, timer)
+        gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
 
         with timer("shape_advantage"):
             lengths = gen.lengths.to(torch.long)
-            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, gen.truncated.bool(), self.G)
+            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, gen.truncated.bool(), self.G, targets)
             advantages = group_advantages(shaped, self.G, eps=float(self.cfg.grpo.advantage_eps),
                                           leave_one_out=bool(self.cfg.grpo.leave_one_out))
 

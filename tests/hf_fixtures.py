@@ -1,0 +1,41 @@
+"""Tiny Hugging Face checkpoints built locally (no download): a character-level tokenizer and a random model."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+CHAT = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII with <pad>, <eos>, <unk> and a chat template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models
+
+    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials + [c for c in string.printable if c not in "\x0b\x0c"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+    fast.chat_template = CHAT
+    return fast
+
+
+def save_tiny_qwen2(path: str | Path, hidden: int = 32, layers: int = 1, seed: int = 0) -> str:
+    """A random Qwen2ForCausalLM + the char tokenizer saved at ``path``; returns the path."""
+    import transformers
+
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=2 * hidden, vocab_size=len(tok),
+                                   max_position_embeddings=4096, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return str(path)

@@ -88,6 +88,14 @@ def test_synthetic_solutions_are_right_and_have_the_documented_lengths():
         SyntheticTask(p_abbreviated=0.6, p_compact=0.6)
 
 
+def test_synthetic_problem_set_is_stratified_by_number_of_terms():
+    task = SyntheticTask(min_terms=2, max_terms=8)
+    probs = task.problems(70, seed=5)
+    for start in range(0, 70, 7):
+        assert sorted(len(p.terms) for p in probs[start : start + 7]) == list(range(2, 9))
+    assert probs == task.problems(70, seed=5) and probs != task.problems(70, seed=6)
+
+
 def test_char_tokenizer_round_trip_and_errors():
     tok = CharTokenizer()
     s = "Q:a1b2\nhmm. a1:1,b2:3,\\boxed{3}"

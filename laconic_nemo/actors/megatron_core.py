@@ -139,6 +139,8 @@ class MegatronCoreActor:
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self._forward_backward = get_forward_backward_func()
         self._ref_state: dict[str, torch.Tensor] | None = None
+        self.rollout_engine = None
+        self._engine_weights_step: int | None = None
         if self.kl_beta > 0:
             self.reset_reference()
 
@@ -499,6 +501,8 @@ class MegatronCoreActor:
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.inference_params import InferenceParams
 
+        if self.rollout_engine is not None:
+            return self._generate_with_engine(prompts, sampling)
         megatron_sampler.check_sampling(sampling)
         if not 0 <= sampling.eos_id < self.vocab_size:
             raise ValueError(f"sampling.eos_id must be in [0, {self.vocab_size}), got {sampling.eos_id}")
@@ -551,6 +555,21 @@ class MegatronCoreActor:
             return self._pp_broadcast(buf).cpu()
 
         return megatron_sampler.sample(step, broadcast, prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+
+    def attach_rollout_engine(self, engine) -> None:
+        """Generate with ``engine`` (e.g. :class:`laconic_nemo.rollout.vllm.VLLMRolloutEngine`) instead of
+        the in-process sampler; the policy weights are refitted into it whenever they changed."""
+        self.rollout_engine = engine
+        self._engine_weights_step = None
+
+    def _generate_with_engine(self, prompts, sampling) -> GenerationOutput:
+        if self._engine_weights_step != self.step_count:
+            self.rollout_engine.refit(self.model)
+            self._engine_weights_step = self.step_count
+        out = self.rollout_engine.generate(prompts, sampling)
+        if hasattr(self.rollout_engine, "sleep"):
+            self.rollout_engine.sleep()  # colocated: give the memory back to training
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict_for_checkpoint(self) -> dict[str, Any]:

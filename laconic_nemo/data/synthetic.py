@@ -142,8 +142,16 @@ class SyntheticTask:
         return Problem(tuple(rng.randint(0, 9) for _ in range(k)))
 
     def problems(self, n: int, seed: int) -> list[Problem]:
+        """``n`` problems, stratified by k: every consecutive block of ``max_terms - min_terms + 1``
+        problems holds each k once (in random order), so any run of consecutive prompts has nearly
+        the same difficulty and length mix (less step-to-step noise in the mean length)."""
         rng = random.Random(seed)
-        return [self.problem(rng) for _ in range(n)]
+        ks = list(range(self.min_terms, self.max_terms + 1))
+        out: list[Problem] = []
+        while len(out) < n:
+            rng.shuffle(ks)
+            out += [Problem(tuple(rng.randint(0, 9) for _ in range(k))) for k in ks]
+        return out[:n]
 
     def warmup_example(self, rng: random.Random) -> tuple[str, str]:
         """(prompt, response) for supervised warm-up, styles mixed as configured."""

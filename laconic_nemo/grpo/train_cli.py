@@ -153,6 +153,18 @@ def train(cfg: DictConfig) -> int:
 
             OmegaConf.update(cfg, "model.vocab_size", CharTokenizer().vocab_size)
         actor = MegatronCoreActor.from_config(cfg)
+        if cfg.rollout.engine == "vllm":
+            if cfg.model.source != "hf":
+                raise ConfigError("rollout.engine = vllm needs model.source = hf (vLLM loads the checkpoint)")
+            from laconic_nemo.bridge import arch_from_hf_config
+            from laconic_nemo.rollout.vllm import VLLMRolloutEngine
+
+            actor.attach_rollout_engine(VLLMRolloutEngine.from_recipe(
+                OmegaConf.to_container(cfg, resolve=True), str(cfg.model.path),
+                arch_from_hf_config(str(cfg.model.path)), pad_id=pad_id))
+        elif cfg.rollout.engine != "megatron":
+            raise ConfigError(f"rollout.engine = {cfg.rollout.engine}: the megatron-core actor supports megatron "
+                              "or vllm (nemo generation runs in the NeMo-Aligner entry point)")
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(prompts)}; output {cfg.run.output_dir}")
         trainer = GRPOTrainer(cfg, actor, encode, decode, prompts, reward_fn, eos_id)

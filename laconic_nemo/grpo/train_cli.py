@@ -1,8 +1,8 @@
 """`laconic-nemo train RECIPE [key=value ...]`: GRPO + LACONIC on the megatron-core actor.
 
-Run from a plain shell, the command starts itself under torchrun with ``--nprocs`` processes
-(default: TP x PP, i.e. one data-parallel replica); under torchrun or srun (``WORLD_SIZE`` set) it
-trains directly. The recipe is loaded and validated before any process, model or data exists.
+Run from a plain shell, the command starts ``--nprocs`` local ranks of itself (default: TP x PP,
+i.e. one data-parallel replica) and forwards signals to them; under torchrun or srun (``WORLD_SIZE``
+set) it trains directly. The recipe is loaded and validated before any process, model or data exists.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import hashlib
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -61,11 +64,55 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
         if nprocs > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-                   "-m", "laconic_nemo.grpo.train_cli", args.recipe, *args.overrides]
-            print("launching: " + " ".join(cmd), flush=True)
-            return subprocess.call(cmd)
+            return launch_local(nprocs, [args.recipe, *args.overrides])
     return train(cfg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(nprocs: int, argv: list[str]) -> int:
+    """Start ``nprocs`` ranks of this command on this machine (torchrun's environment variables) and
+    wait for them. SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does
+    on a cluster, so a preempted local run checkpoints and stops too. If a rank fails, the others are
+    stopped. Returns 0 when all ranks finished, 3 when they stopped on a signal, else a rank's failure code."""
+    port = _free_port()
+    print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
+    procs = []
+    for rank in range(nprocs):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+               "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.grpo.train_cli", *argv], env=env))
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed_at = None
+        while any(p.poll() is None for p in procs):
+            codes = [p.poll() for p in procs]
+            if failed_at is None and any(c not in (None, 0, 3) for c in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 10:
+                for p in procs:  # a rank died: the survivors would wait on collectives forever
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.2)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    codes = [p.returncode for p in procs]
+    bad = [c for c in codes if c not in (0, 3)]
+    if bad:
+        return bad[0] if bad[0] > 0 else 1
+    return 3 if 3 in codes else 0
 
 
 def _warmup_cache_dir(cfg: DictConfig) -> Path:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
-from laconic_nemo.megatron_env import ParallelInfo, init_distributed
+from laconic_nemo.megatron_env import UNFUSED_KERNELS, ParallelInfo, init_distributed
 from laconic_nemo.rollout import megatron_sampler
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -705,13 +705,8 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
         use_cpu_initialization=not on_gpu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,
+        **UNFUSED_KERNELS,
     )
 
 

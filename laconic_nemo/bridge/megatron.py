@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from laconic_nemo.bridge.arch import ModelArch, padded_vocab_size
+from laconic_nemo.megatron_env import UNFUSED_KERNELS
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = True, dtype: torch.dtype | None = None,
@@ -58,12 +59,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = Tr
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=cpu,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **UNFUSED_KERNELS,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -87,26 +87,25 @@ class Problem:
 FILLER = "hmm. "
 
 
-def worked_solution(problem: Problem, filler: int = 0) -> str:
-    """The worked style: ``filler`` thinking phrases, one step per term, the boxed answer."""
+def _solution(problem: Problem, filler: int, step: str) -> str:
+    """``filler`` thinking phrases, one ``step.format(letter, digit, running sum)`` per term, the boxed answer."""
     parts = [FILLER * filler]
     acc = 0
     for i, t in enumerate(problem.terms):
         acc = (acc + t) % 10
-        parts.append(f"{LETTERS[i]}{t}:{acc},")
+        parts.append(step.format(LETTERS[i], t, acc))
     parts.append(f"\\boxed{{{acc}}}")
     return "".join(parts)
+
+
+def worked_solution(problem: Problem, filler: int = 0) -> str:
+    """The worked style: ``<letter><digit>:<running sum>,`` per term (5 tokens), the boxed answer."""
+    return _solution(problem, filler, "{0}{1}:{2},")
 
 
 def compact_solution(problem: Problem, filler: int = 0) -> str:
-    """The compact style: ``filler`` thinking phrases, ``<letter><running sum>`` per term, the boxed answer."""
-    parts = [FILLER * filler]
-    acc = 0
-    for i, t in enumerate(problem.terms):
-        acc = (acc + t) % 10
-        parts.append(f"{LETTERS[i]}{acc}")
-    parts.append(f"\\boxed{{{acc}}}")
-    return "".join(parts)
+    """The compact style: ``<letter><running sum>`` per term (2 tokens), the boxed answer."""
+    return _solution(problem, filler, "{0}{2}")
 
 
 def abbreviated_solution(problem: Problem) -> str:

@@ -1,0 +1,206 @@
+"""Multi-process checks of MegatronCoreActor against the float64 reference GPT.
+
+Run by tests/test_megatron_actor.py through torch.multiprocessing (one job per layout); each rank writes
+``<out>/<layout>_rank<r>.pt`` with the measured errors and flags, the test asserts on them.
+Layouts: tp2 (TP=2, KL on), pp2 (PP=2), dp2 (DP=2, each rank holding half of the batch).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import reference_gpt as R  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, FFN, VOCAB = 2, 64, 4, 256, 41
+N, T, EOS = 8, 18, 3
+LAYOUTS = {"tp2": (2, 1, 0.05), "pp2": (1, 2, 0.0), "dp2": (1, 1, 0.0)}  # tp, pp, kl_beta
+
+
+def make_config(tp: int, pp: int, kl_beta: float):
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = OmegaConf.load(root / "recipes" / "base.yaml")
+    cfg.model.update(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                     vocab_size=VOCAB, max_position_embeddings=128)
+    cfg.parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo")
+    cfg.optim.update(lr=1e-3, adam_eps=1e-3, grad_clip=0.5, warmup_steps=0)
+    cfg.grpo.update(kl_beta=kl_beta, micro_batch_size=3, clip_eps=0.2, clip_eps_high=0.28)
+    return cfg
+
+
+def make_batch(w64):
+    """Global batch of N rows with prompts of 3..6 tokens, right-padded responses and GRPO fields."""
+    from laconic_nemo.grpo.interfaces import TrainBatch
+
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (N, T), generator=g)
+    prompt = torch.randint(3, 7, (N,), generator=g)
+    resp = torch.stack([torch.randint(1, int(T - p) + 1, (1,), generator=g)[0] for p in prompt])
+    mask = torch.zeros(N, T - 1)
+    for i in range(N):
+        p, r = int(prompt[i]), int(resp[i])
+        mask[i, p - 1 : p + r - 1] = 1.0
+        tokens[i, p + r :] = EOS
+    ref_lp = R.token_logprobs(w64, tokens, LAYERS, HEADS).float()
+    old = (ref_lp + 0.3 * torch.randn(N, T - 1, generator=g)) * mask
+    adv = torch.randn(N, generator=g)
+    return TrainBatch(tokens, prompt, resp, mask, advantages=adv, old_logprobs=old)
+
+
+def reference_step(w32, batch, cfg, kl_beta):
+    """Float64 loss, gradients, grad norm and the Adam-updated weights for the whole global batch."""
+    from laconic_nemo.grpo.loss import make_grpo_loss_fn
+
+    w = {k: v.double().clone().requires_grad_(True) for k, v in w32.items()}
+    lp = R.token_logprobs(w, batch.tokens, LAYERS, HEADS)
+    b64 = batch.select(slice(None))
+    b64.response_mask = batch.response_mask.double()
+    b64.advantages = batch.advantages.double()
+    b64.old_logprobs = batch.old_logprobs.double()
+    if batch.ref_logprobs is not None:
+        b64.ref_logprobs = batch.ref_logprobs.double()
+    fn = make_grpo_loss_fn(cfg.grpo.clip_eps, cfg.grpo.clip_eps_high, kl_beta, cfg.grpo.loss_aggregation,
+                           float(batch.response_mask.sum()), float(N))
+    loss, metrics = fn(lp, b64)
+    loss.backward()
+    grads = {k: v.grad.detach().clone() for k, v in w.items()}
+    norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
+    coeff = min(1.0, cfg.optim.grad_clip / (float(norm) + 1e-6))
+    clipped = {k: g * coeff for k, g in grads.items()}
+    params = [v.detach().clone() for v in w.values()]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+                            eps=cfg.optim.adam_eps, weight_decay=0.0)
+    for p, g in zip(params, clipped.values()):
+        p.grad = g
+    opt.step()
+    return float(loss.detach()), metrics, clipped, float(norm), dict(zip(w.keys(), params))
+
+
+def max_err(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
+
+
+def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.grpo.interfaces import SamplingParams
+    from laconic_nemo.grpo.loss import make_grpo_loss_fn
+    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.rollout import megatron_sampler
+
+    tp, pp, kl_beta = LAYOUTS[layout]
+    cfg = make_config(tp, pp, kl_beta)
+    actor = MegatronCoreActor.from_config(cfg)
+    res: dict = {"layout": layout, "dp_size": actor.dp_size}
+    w32 = R.init_full_weights(LAYERS, HIDDEN, FFN, VOCAB, seed=0)
+    w64 = {k: v.double() for k, v in w32.items()}
+    actor.load_full_state_dict(w32)
+    if kl_beta > 0:
+        actor.reset_reference()
+    res["roundtrip_weights_err"] = max_err(actor.full_state_dict(), w32)
+
+    batch = make_batch(w64)
+    rows = slice(actor.dp_rank * N // actor.dp_size, (actor.dp_rank + 1) * N // actor.dp_size)
+    local = batch.select(rows)
+
+    # 1. log-probs
+    ref_lp = R.token_logprobs(w64, batch.tokens, LAYERS, HEADS)
+    lp = actor.logprobs(local)
+    res["logprob_err"] = float((lp.double() - ref_lp[rows]).abs().max())
+    if kl_beta > 0:
+        local.ref_logprobs = actor.logprobs(local, reference=True)
+        batch.ref_logprobs = ref_lp.float()
+        batch.ref_logprobs[rows] = local.ref_logprobs
+
+    # 2. one GRPO step vs the float64 reference
+    loss_fn = make_grpo_loss_fn(cfg.grpo.clip_eps, cfg.grpo.clip_eps_high, kl_beta, cfg.grpo.loss_aggregation,
+                                global_num_tokens=float(batch.response_mask.sum()), global_num_seqs=float(N))
+    ref_loss, ref_metrics, ref_grads, ref_norm, ref_new = reference_step(w32, batch, cfg, kl_beta)
+    metrics = actor.train_step(local, loss_fn, micro_batch_size=3)
+    res["loss"], res["ref_loss"] = metrics["loss"], ref_loss
+    res["clip_fraction"], res["ref_clip_fraction"] = metrics["clip_fraction"], ref_metrics["clip_fraction"]
+    res["grad_norm"], res["ref_grad_norm"] = metrics["grad_norm"], ref_norm
+    grads = actor.full_grad_dict()
+    res["grad_err"] = max_err(grads, ref_grads)
+    res["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
+    res["update_err"] = max_err(actor.full_state_dict(), ref_new)
+    res["update_scale"] = max(float((ref_new[k] - w64[k]).abs().max()) for k in w64)
+    if kl_beta > 0:  # reference weights survive the update
+        res["ref_logprob_err_after_step"] = float((actor.logprobs(local, reference=True).double() - ref_lp[rows])
+                                                  .abs().max())
+
+    # 3. generation
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (16,),
+                                                                                               generator=g)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, eos_id=EOS, seed=7)
+    out = actor.generate(prompts, sp)
+    out_again = actor.generate(prompts, sp)
+    out_other = actor.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, eos_id=EOS,
+                                                       seed=8))
+    out_prefix = actor.generate(prompts[:5], sp)
+    res["gen"] = {k: getattr(out, k) for k in ("tokens", "prompt_lengths", "response_lengths", "lengths",
+                                                "truncated")}
+    res["gen_same_seed"] = all(torch.equal(getattr(out, k), getattr(out_again, k)) for k in res["gen"])
+    res["gen_other_seed_differs"] = not torch.equal(out.tokens, out_other.tokens)
+    w_new = actor.full_state_dict()
+    w_new64 = {k: v.double() for k, v in w_new.items()}
+    T5 = out_prefix.tokens.shape[1]
+    res["gen_prefix_same"] = torch.equal(out_prefix.tokens, out.tokens[:5, :T5]) and torch.equal(
+        out_prefix.lengths, out.lengths[:5])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out.tokens)
+    res["gen_identical_across_ranks_of_dp_group"] = all(
+        torch.equal(gathered[r], out.tokens) for r in range(world) if (actor.dp_size == 1)
+    )
+
+    _cache: dict = {}
+
+    def ref_step(tokens, start):
+        _cache.setdefault("seq", torch.empty(tokens.shape[0], 0, dtype=torch.long))
+        _cache["seq"] = torch.cat([_cache["seq"], tokens], dim=1)
+        return R.forward(w_new64, _cache["seq"], LAYERS, HEADS)[:, -1]
+
+    ref_out = megatron_sampler.sample(ref_step, lambda x, b: x, prompts, sp, stream=actor.dp_rank)
+    res["gen_matches_float64_recompute"] = torch.equal(ref_out.tokens, out.tokens)
+
+    # 4. checkpoint round trip: state after step 1, step 2 twice from it
+    buf = io.BytesIO()
+    torch.save(actor.state_dict_for_checkpoint(), buf)
+    m2 = actor.train_step(local, loss_fn, micro_batch_size=3)
+    w2 = actor.full_state_dict()
+    buf.seek(0)
+    actor.load_checkpoint_state(torch.load(buf, weights_only=False))
+    m2b = actor.train_step(local, loss_fn, micro_batch_size=3)
+    w2b = actor.full_state_dict()
+    res["ckpt_bitwise"] = m2 == m2b and all(torch.equal(w2[k], w2b[k]) for k in w2)
+    res["ckpt_step_changed_weights"] = max_err(w2, w_new) > 0
+    torch.save(res, Path(out_dir) / f"{layout}_rank{rank}.pt")
+    destroy_distributed()
+
+
+def launch(layout: str, out: str, world: int = 2) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(world, layout, port, out), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    launch(sys.argv[1], sys.argv[2])

@@ -241,15 +241,15 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> 
         apply_cpu_patches()
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ["RANK"] = "0"
-            os.environ["WORLD_SIZE"] = "1"
-            os.environ.setdefault("LOCAL_RANK", "0")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        if "RANK" in os.environ:  # torchrun / srun / the local launcher
+            dist.init_process_group(backend=backend)
+        else:
+            # A one-process world on a private loopback port. The environment is left untouched, so
+            # child processes (e.g. a launcher started from a test) do not inherit RANK / WORLD_SIZE.
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
     world_size = dist.get_world_size()
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")

@@ -9,7 +9,6 @@ grade every response, update lambda from the global mean length and write a chec
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("math_verify")
 
 from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
+from tests.test_trainer_e2e import clean_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_train_from_hf_checkpoint_on_math_problems(tmp_path):
         "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4", "run.num_steps=2",
         "checkpoint.every_n_steps=1", "logging.plot=false", f"run.output_dir={out}",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

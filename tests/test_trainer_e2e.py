@@ -32,8 +32,17 @@ FAST = [
 TIMING_KEYS = ("step_seconds", "time/")
 
 
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env() -> dict:
+    """This environment without launcher variables (the command must start its own ranks)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 def run_train(args, out: Path, env_extra=None, timeout=900, check=True):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "laconic_nemo", "train", *args, f"run.output_dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -86,7 +95,7 @@ def test_sigusr1_checkpoints_and_stops_then_resume_finishes(tmp_path):
     out = tmp_path / "sig"
     args = [sys.executable, "-m", "laconic_nemo", "train", TINY, *FAST, "run.num_steps=200",
             "checkpoint.every_n_steps=0", f"warmup.cache_dir={tmp_path / 'cache'}", f"run.output_dir={out}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + 300

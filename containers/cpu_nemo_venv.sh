@@ -3,8 +3,8 @@
 # packages, for the `nemo` test tier (tests/test_nemo_aligner.py) on machines without GPUs or the
 # NGC container. About 2.5 minutes with a warm pip cache.
 #
-#   bash containers/cpu_nemo_venv.sh /work/venv-nemo
-#   PYTHONPATH=$PWD /work/venv-nemo/bin/python -m pytest tests/test_nemo_aligner.py -m nemo
+#   bash containers/cpu_nemo_venv.sh .venv-nemo
+#   PYTHONPATH=$PWD .venv-nemo/bin/python -m pytest tests/test_nemo_aligner.py -m nemo
 set -euo pipefail
 VENV="${1:-.venv-nemo}"
 python3 -m venv "${VENV}"

@@ -47,11 +47,7 @@ def clipped_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:
     Returns:
         float tensor [...] (the input's float dtype, or the default float dtype for integer input).
     """
-    b = check_budget(budget)
-    lengths = _as_lengths(lengths)
-    out_dtype = float_dtype_of(lengths)
-    cost = (lengths.to(torch.float64) - b) / b
-    return cost.clamp_min(0.0).to(out_dtype)
+    return linear_cost(lengths, budget).clamp_min(0.0)
 
 
 def linear_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:

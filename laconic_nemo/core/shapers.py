@@ -351,18 +351,24 @@ class FixedLambdaShaper(_LagrangianShaper):
         return self._lam
 
 
-class L1ExactShaper(RewardShaper):
-    """L1-Exact: ``1[correct] - alpha * |n_gold - L|`` with per-sample targets n_gold."""
+class _AlphaShaper(RewardShaper):
+    """A shaper with one coefficient ``alpha`` (null = the method's ``default_alpha``)."""
 
-    name = "l1_exact"
-    needs_targets = True
-    default_alpha = 0.0003
+    default_alpha = 1.0
 
     def __init__(self, alpha: float | None = None, budget: float | None = None, max_length: float | None = None,
                  correct_threshold: float = 0.5) -> None:
         super().__init__(budget, max_length, correct_threshold)
         self.alpha = _num("alpha", alpha if alpha is not None else self.default_alpha, "null or a finite number > 0",
                           low=0.0, low_open=True)
+
+
+class L1ExactShaper(_AlphaShaper):
+    """L1-Exact: ``1[correct] - alpha * |n_gold - L|`` with per-sample targets n_gold."""
+
+    name = "l1_exact"
+    needs_targets = True
+    default_alpha = 0.0003
 
     def _shape(self, r64, L64, trunc, group_size, t64):
         gap = (t64 - L64).abs()
@@ -381,7 +387,7 @@ class L1MaxShaper(L1ExactShaper):
         return self._correct(r64).to(torch.float64) * factor, extra
 
 
-class EfficientShaper(RewardShaper):
+class EfficientShaper(_AlphaShaper):
     """Efficient Reasoning (Arora & Zanette): length-normalised bonus among the correct responses of a group.
 
     Correct response i of prompt q: ``1 - alpha * sigmoid((L_i - mean_c) / (std_c + 1e-7))`` with mean_c and
@@ -391,12 +397,6 @@ class EfficientShaper(RewardShaper):
     name = "efficient"
     default_alpha = 0.1
     std_eps = 1e-7
-
-    def __init__(self, alpha: float | None = None, budget: float | None = None, max_length: float | None = None,
-                 correct_threshold: float = 0.5) -> None:
-        super().__init__(budget, max_length, correct_threshold)
-        self.alpha = _num("alpha", alpha if alpha is not None else self.default_alpha, "null or a finite number > 0",
-                          low=0.0, low_open=True)
 
     def _shape(self, r64, L64, trunc, group_size, t64):
         correct = self._correct(r64).view(-1, group_size)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["UNFUSED_KERNELS", "ParallelInfo", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "destroy_distributed"]
+__all__ = ["UNFUSED_KERNELS", "ParallelInfo", "free_port", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "destroy_distributed"]
 
 _PATCHED = False
 
@@ -211,7 +211,7 @@ class ParallelInfo:
         return self.pp_rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -248,7 +248,7 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> 
         else:
             # A one-process world on a private loopback port. The environment is left untouched, so
             # child processes (e.g. a launcher started from a test) do not inherit RANK / WORLD_SIZE.
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     world_size = dist.get_world_size()
     if world_size % (tp * pp) != 0:

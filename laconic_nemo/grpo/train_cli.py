@@ -12,8 +12,8 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,18 +68,14 @@ def run(args) -> int:
     return train(cfg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_local(nprocs: int, argv: list[str]) -> int:
     """Start ``nprocs`` ranks of this command on this machine (torchrun's environment variables) and
     wait for them. SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does
     on a cluster, so a preempted local run checkpoints and stops too. If a rank fails, the others are
     stopped. Returns 0 when all ranks finished, 3 when they stopped on a signal, else a rank's failure code."""
-    port = _free_port()
+    from laconic_nemo.megatron_env import free_port
+
+    port = free_port()
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
     procs = []
     for rank in range(nprocs):
@@ -127,7 +123,8 @@ def _warmup_cache_dir(cfg: DictConfig) -> Path:
 
 
 def build_task(cfg: DictConfig):
-    """(encode, decode, eos_id, pad_id, prompts, reward_fn, warmup_example or None) for the recipe."""
+    """(encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example or None) for the
+    recipe; vocab_size is the synthetic tokenizer's (the HF path reads it from the checkpoint: None)."""
     if cfg.data.kind == "synthetic":
         from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
         from laconic_nemo.rewards import extract_answer
@@ -147,7 +144,7 @@ def build_task(cfg: DictConfig):
             prompt, response = task.warmup_example(rng)
             return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
 
-        return tok.encode, tok.decode, tok.eos_id, tok.pad_id, prompts, reward_fn, warmup_example
+        return tok.encode, tok.decode, tok.eos_id, tok.pad_id, tok.vocab_size, prompts, reward_fn, warmup_example
 
     from laconic_nemo.data.datasets import load_math_prompts
     from laconic_nemo.rewards import MathReward
@@ -171,7 +168,7 @@ def build_task(cfg: DictConfig):
     def decode(ids):
         return tok.decode(ids, skip_special_tokens=True)
 
-    return encode, decode, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, \
+    return encode, decode, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, None, \
         [(i.prompt, i.answer) for i in items], reward_fn, None
 
 
@@ -194,11 +191,9 @@ def train(cfg: DictConfig) -> int:
             print(msg, flush=True)
 
     try:
-        encode, decode, eos_id, pad_id, prompts, reward_fn, warmup_example = build_task(cfg)
-        if cfg.data.kind == "synthetic":
-            from laconic_nemo.data.synthetic import CharTokenizer
-
-            OmegaConf.update(cfg, "model.vocab_size", CharTokenizer().vocab_size)
+        encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example = build_task(cfg)
+        if vocab_size is not None:
+            OmegaConf.update(cfg, "model.vocab_size", vocab_size)
         actor = MegatronCoreActor.from_config(cfg)
         if cfg.rollout.engine == "vllm":
             if cfg.model.source != "hf":
@@ -249,20 +244,24 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log):
         actor.set_learning_rate(float(cfg.warmup.lr))
         supervised_warmup(actor, warmup_example, int(cfg.warmup.num_steps), int(cfg.warmup.batch_size),
                           int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log)
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid() if info.rank == 0 else ''}")
-        if info.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-        tmp_list = [str(tmp)]
+        # rank 0 names the temporary folder (unique per process) and tells the other ranks
+        tmp_list = [str(cache.with_name(f"{cache.name}.tmp{os.getpid()}"))]
         if dist.is_initialized():
             dist.broadcast_object_list(tmp_list, src=0)
         tmp = Path(tmp_list[0])
+        if info.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
         if actor.dp_rank == 0:
             torch.save(actor.model_state(), tmp / shard.name)
         if dist.is_initialized():
             dist.barrier()
         if info.rank == 0:
             (tmp / "done").write_text("ok")
-            if not cache.exists():
+            if cache.exists():  # another run with the same settings finished first: keep its copy
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
                 os.replace(tmp, cache)
         if dist.is_initialized():
             dist.barrier()

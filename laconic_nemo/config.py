@@ -18,6 +18,8 @@ from typing import Iterable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
+
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -156,6 +158,12 @@ def validate_config(cfg: DictConfig) -> None:
     _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
     _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)
     _require(ro.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", ro.engine)
+    for key, value, choices in (("model.attention", m.attention, ATTENTION_CHOICES),
+                                ("rollout.sampler", ro.sampler, SAMPLER_CHOICES),
+                                ("grpo.reference_on", g.reference_on, REFERENCE_CHOICES)):
+        _require(value in choices, key, f"one of {', '.join(choices)}", value)
+    _require(int(ro.sync_every) >= 1, "rollout.sync_every", ">= 1", ro.sync_every)
+    _require(int(g.logprob_chunk_size) >= 1, "grpo.logprob_chunk_size", ">= 1", g.logprob_chunk_size)
     _require(cfg.reward.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", cfg.reward.kind)
     _require(float(cfg.reward.timeout_s) > 0, "reward.timeout_s", "> 0 seconds", cfg.reward.timeout_s)
     _require(0 <= float(cfg.reward.format_weight) < 1, "reward.format_weight", "in [0, 1)", cfg.reward.format_weight)

@@ -23,20 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["UNFUSED_KERNELS", "ParallelInfo", "free_port", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "destroy_distributed"]
+__all__ = ["ParallelInfo", "free_port", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "destroy_distributed"]
 
 _PATCHED = False
-
-# TransformerConfig flags that select fused kernels (apex, TransformerEngine or CUDA JIT): all off, so
-# one config builds the same model on CPU and on GPU without those extensions.
-UNFUSED_KERNELS = dict(
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
-)
 
 # Modules of megatron-core that create tensors with a literal ``device="cuda"`` (or call ``.cuda()``,
 # ``torch.cuda.synchronize``) on code paths used by a dense GPT with the plain optimizer.

@@ -37,6 +37,7 @@ def test_logprobs_match_float64_reference(results, layout):
     for r in results[layout]:
         assert r["roundtrip_weights_err"] == 0.0  # shard/unshard of the weights is exact
         assert r["logprob_err"] < 5e-5
+        assert r["logprob_past_end_max"] == 0.0  # nothing is scored past a row's end
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -65,9 +66,10 @@ def test_reference_policy_is_frozen_initial_weights(results):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_generation(results, layout):
     eos, max_new = actor_checks.EOS, 30
-    for r in results[layout]:
-        g = r["gen"]
+    for r, g in [(r, r[key]) for r in results[layout] for key in ("gen", "dev_gen")]:
         assert r["gen_matches_float64_recompute"]  # KV-cached, TP-gathered sampling == float64 recompute
+        assert r["dev_gen_matches_float64_recompute"]  # same for the device sampler with row compaction
+        assert r["dev_gen_prefix_same"]  # a sample's tokens do not depend on the rest of the batch
         assert r["gen_same_seed"] and r["gen_other_seed_differs"] and r["gen_prefix_same"]
         assert r["gen_identical_across_ranks_of_dp_group"]
         stopped = ~g["truncated"]
@@ -82,10 +84,11 @@ def test_generation(results, layout):
             assert (g["tokens"][i, p + n :] == eos).all()  # padded with the EOS id (pad_id None)
     # TP ranks (same DP rank) produce identical tokens; DP ranks use different random streams
     a, b = results[layout]
-    if layout == "dp2":
-        assert not torch.equal(a["gen"]["tokens"], b["gen"]["tokens"])
-    else:
-        assert torch.equal(a["gen"]["tokens"], b["gen"]["tokens"])
+    for key in ("gen", "dev_gen"):
+        if layout == "dp2":
+            assert not torch.equal(a[key]["tokens"], b[key]["tokens"])
+        else:
+            assert torch.equal(a[key]["tokens"], b[key]["tokens"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -22,6 +22,7 @@ apply_cpu_patches`). Every method is SPMD: call it on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -29,12 +30,27 @@ import torch
 import torch.distributed as dist
 
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
-from laconic_nemo.megatron_env import UNFUSED_KERNELS, ParallelInfo, init_distributed
+from laconic_nemo.kernels import (
+    REFERENCE_CHOICES,
+    SAMPLER_CHOICES,
+    fusion_flags,
+    resolve_attention,
+    with_core_attention,
+)
+from laconic_nemo.megatron_env import ParallelInfo, init_distributed
 from laconic_nemo.rollout import megatron_sampler
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 
 _LAYER_PREFIX = "decoder.layers."
+
+
+
+def resolve_choice(key: str, value: str, choices: tuple[str, ...], auto: str) -> str:
+    """``value`` checked against ``choices`` (ValueError naming ``key``), with ``auto`` replaced by ``auto``."""
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    return auto if value == "auto" else value
 
 
 def _cfg_get(section: Any, key: str, default: Any = None) -> Any:
@@ -76,6 +92,12 @@ class MegatronCoreActor:
         kl_beta: float = 0.0,
         micro_batch_size: int = 4,
         pad_id: int | None = None,
+        sampler: str = "auto",
+        sync_every: int = 8,
+        compact_rows: bool = True,
+        logprob_chunk_size: int = 1024,
+        reference_on: str = "auto",
+        sort_by_length: bool = True,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -104,6 +126,18 @@ class MegatronCoreActor:
         self.micro_batch_size = int(micro_batch_size)
         self.pad_id = None if pad_id is None else int(pad_id)
         self.device = info.device
+        on_gpu = self.device.type == "cuda"
+        self.sampler = resolve_choice("rollout.sampler", sampler, SAMPLER_CHOICES, "device" if on_gpu else "exact")
+        self.sync_every = int(sync_every)
+        self.compact_rows = bool(compact_rows)
+        if logprob_chunk_size < 1:
+            raise ValueError(f"grpo.logprob_chunk_size must be >= 1, got {logprob_chunk_size}")
+        self.logprob_chunk_size = int(logprob_chunk_size)
+        self.sort_by_length = bool(sort_by_length)
+        self.reference_on = resolve_choice("grpo.reference_on", reference_on, REFERENCE_CHOICES,
+                                           "device" if on_gpu else "cpu")
+        if self.reference_on in ("device", "pinned") and not on_gpu:
+            raise ValueError(f"grpo.reference_on={reference_on} needs a GPU; use cpu or auto")
         self.step_count = 0
 
         from megatron.core import parallel_state
@@ -111,7 +145,9 @@ class MegatronCoreActor:
         pre = parallel_state.is_pipeline_first_stage()
         post = parallel_state.is_pipeline_last_stage()
         module = model_provider(pre, post)
-        module.to(self.device)
+        # every weight in the model's dtype (megatron-LM's Float16Module does the same): the local spec's
+        # torch RMSNorm is created in float32, and a bf16 input with a float32 weight misses the fused kernel
+        module.to(device=self.device, dtype=transformer_config.params_dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -139,6 +175,7 @@ class MegatronCoreActor:
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self._forward_backward = get_forward_backward_func()
         self._ref_state: dict[str, torch.Tensor] | None = None
+        self._scratch: dict[str, torch.Tensor] | None = None  # pinned host buffer for reference_on=pinned
         self.rollout_engine = None
         self._engine_weights_step: int | None = None
         if self.kl_beta > 0:
@@ -158,11 +195,13 @@ class MegatronCoreActor:
         par = cfg["parallel"]
         optim = cfg["optim"]
         grpo = cfg["grpo"]
+        rollout = cfg["rollout"] if "rollout" in cfg else None
         seed = int(cfg["run"]["seed"])
         tp = int(_cfg_get(par, "tensor_model_parallel_size", 1))
         pp = int(_cfg_get(par, "pipeline_model_parallel_size", 1))
         info = init_distributed(tp, pp, backend=str(_cfg_get(par, "backend", "auto")), seed=seed)
         on_gpu = info.device.type == "cuda"
+        attention = resolve_attention(str(_cfg_get(model_cfg, "attention", "auto")), on_gpu)
         hf_path = None
         if str(_cfg_get(model_cfg, "source", "synthetic")) == "hf":
             # A Hugging Face checkpoint: architecture, shapes and weights from the bridge.
@@ -172,7 +211,7 @@ class MegatronCoreActor:
             hf_path = str(model_cfg["path"])
             arch = arch_from_hf_config(hf_path)
             dtype = torch.bfloat16 if str(_cfg_get(model_cfg, "precision", "fp32")) == "bf16" else None
-            parts = actor_kwargs(arch, tp, pp, cpu=not on_gpu, dtype=dtype)
+            parts = actor_kwargs(arch, tp, pp, cpu=not on_gpu, dtype=dtype, attention=attention)
             tconfig, model_provider = parts["transformer_config"], parts["model_provider"]
             vocab_size, padded = parts["vocab_size"], parts["padded_vocab_size"]
         else:
@@ -183,7 +222,7 @@ class MegatronCoreActor:
             max_pos = int(_cfg_get(model_cfg, "max_position_embeddings", 4096))
 
             def model_provider(pre_process: bool, post_process: bool):
-                return build_gpt_model(tconfig, padded, max_pos, pre_process, post_process)
+                return build_gpt_model(tconfig, padded, max_pos, pre_process, post_process, attention)
 
         actor = cls(
             info,
@@ -201,6 +240,12 @@ class MegatronCoreActor:
             kl_beta=float(_cfg_get(grpo, "kl_beta", 0.0)),
             micro_batch_size=int(_cfg_get(grpo, "micro_batch_size", 4)),
             pad_id=_cfg_get(model_cfg, "pad_id", None),
+            sampler=str(_cfg_get(rollout, "sampler", "auto")),
+            sync_every=int(_cfg_get(rollout, "sync_every", 8)),
+            compact_rows=bool(_cfg_get(rollout, "compact", True)),
+            logprob_chunk_size=int(_cfg_get(grpo, "logprob_chunk_size", 1024)),
+            reference_on=str(_cfg_get(grpo, "reference_on", "auto")),
+            sort_by_length=bool(_cfg_get(grpo, "sort_by_length", True)),
         )
         if hf_path is not None:
             from laconic_nemo.bridge import load_hf_checkpoint
@@ -259,8 +304,25 @@ class MegatronCoreActor:
 
     # ------------------------------------------------------------------ helpers
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """log p(labels) [b, s] from this rank's vocab shard of the logits [b, s, V/tp] (vocab-parallel
-        cross entropy; padded vocabulary columns excluded)."""
+        """log p(labels) [b, s] float32 from this rank's vocab shard of the logits [b, s, V/tp] (vocab-parallel
+        cross entropy; padded vocabulary columns excluded).
+
+        Computed in sequence chunks of ``logprob_chunk_size`` positions, so at most one chunk's float32
+        copy of the logits exists at a time; with autograd on, each chunk is recomputed in backward
+        (activation checkpointing) instead of keeping its float32 softmax."""
+        s = logits.shape[1]
+        if s <= self.logprob_chunk_size:
+            return self._chunk_logprobs(logits, labels)
+        parts = []
+        for a in range(0, s, self.logprob_chunk_size):
+            lg, lb = logits[:, a : a + self.logprob_chunk_size], labels[:, a : a + self.logprob_chunk_size]
+            if torch.is_grad_enabled() and lg.requires_grad:
+                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, lg, lb, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(lg, lb))
+        return torch.cat(parts, dim=1)
+
+    def _chunk_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
         logits = logits.float()
@@ -290,6 +352,41 @@ class MegatronCoreActor:
             out.advantages[n:] = 0
         return out
 
+    def _micro_batches(self, batch: TrainBatch, mbs: int) -> tuple[list[TrainBatch], torch.Tensor]:
+        """Split ``batch`` (padded to a multiple of ``mbs`` rows) into micro-batches of ``mbs`` rows.
+
+        With ``sort_by_length`` and PP = 1, rows are grouped by length (longest first) and each micro-batch
+        is cut to its longest row (prompt + response), so short rows are not padded to the batch's longest;
+        PP > 1 keeps one shape ``[mbs, T]`` (the pipeline's p2p buffers are sized once). Returns the
+        micro-batches and the row order ``[n_padded]`` (micro-batch ``j`` holds rows
+        ``order[j*mbs:(j+1)*mbs]``). Per-row results do not depend on the grouping: positions past a row's
+        end are masked out of every loss."""
+        padded = self._pad_rows(batch, mbs)
+        n = len(padded)
+        if not self.sort_by_length or self.info.pp_size > 1:
+            order = torch.arange(n)
+            return [padded.select(slice(i, i + mbs)) for i in range(0, n, mbs)], order
+        ends = (padded.prompt_lengths + padded.response_lengths).clamp(min=2, max=padded.tokens.shape[1])
+        order = torch.argsort(ends, descending=True, stable=True)
+        micro = []
+        for i in range(0, n, mbs):
+            idx = order[i : i + mbs]
+            micro.append(_cut(padded.select(idx), int(ends[idx].max())))
+        return micro, order
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """Modules in eval mode for a pass without backward: megatron skips activation recompute (which
+        would also drop the KV cache of generation) only when ``module.training`` is False."""
+        was = [m.training for m in self.model]
+        for m in self.model:
+            m.eval()
+        try:
+            yield
+        finally:
+            for m, w in zip(self.model, was):
+                m.train(w)
+
     def _pp_broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast ``tensor`` from the last pipeline stage to every stage (in place)."""
         from megatron.core import parallel_state
@@ -309,14 +406,43 @@ class MegatronCoreActor:
         return self.lr
 
     # ------------------------------------------------------------------ reference policy
+    def _place_reference(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` where ``reference_on`` keeps the reference weights (device, pinned or CPU memory)."""
+        if self.reference_on == "device":
+            return t.detach().to(self.device, copy=True)
+        out = t.detach().to("cpu", copy=True)
+        return out.pin_memory() if self.reference_on == "pinned" else out
+
     def reset_reference(self) -> None:
-        """Freeze the current weights (CPU copy) as the reference policy pi_ref."""
-        self._ref_state = {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+        """Freeze the current weights as the reference policy pi_ref (placed by ``grpo.reference_on``)."""
+        self._ref_state = {k: self._place_reference(v) for k, v in self._param_state().items()}
 
     def snapshot_reference(self) -> None:
         """PolicyActor contract: the current weights become pi_ref (only kept when kl_beta > 0)."""
         if self.kl_beta > 0:
             self.reset_reference()
+
+    def _exchange_reference(self) -> None:
+        """Device-resident reference: swap the storage of every weight with its reference tensor (no copy;
+        calling it twice restores both)."""
+        ref = self._ref_state
+        for k, v in self._param_state().items():
+            v.data, ref[k] = ref[k], v.data
+
+    def _save_params(self) -> dict[str, torch.Tensor]:
+        """Host copies of the current weights (into a reused pinned buffer when ``reference_on=pinned``)."""
+        current = self._param_state()
+        if self.reference_on != "pinned":
+            return {k: v.detach().to("cpu", copy=True) for k, v in current.items()}
+        if self._scratch is None:
+            self._scratch = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in current.items()}
+        return {k: self._scratch[k].copy_(v.detach(), non_blocking=True) for k, v in current.items()}
+
+    @torch.no_grad()
+    def _load_params(self, state: dict[str, torch.Tensor]) -> None:
+        non_blocking = self.reference_on == "pinned"
+        for k, v in self._param_state().items():
+            v.data.copy_(state[k].to(v.device, non_blocking=non_blocking))
 
     # ------------------------------------------------------------------ optimiser control
     def set_learning_rate(self, lr: float) -> None:
@@ -350,32 +476,33 @@ class MegatronCoreActor:
     def _param_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
-    def _swap_in(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        current = self._param_state()
-        saved = {k: v.detach().to("cpu", copy=True) for k, v in current.items()}
-        with torch.no_grad():
-            for k, v in current.items():
-                v.data.copy_(state[k].to(v.device))
-        return saved
-
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32), identical on every TP/PP rank."""
+        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32), identical on every TP/PP rank.
+        Position ``j`` is log p(token j+1 | tokens <= j); it is 0 from each row's end on (j + 1 >= prompt +
+        response length), where nothing is scored."""
         if reference:
             if self._ref_state is None:
                 raise ValueError("reference log-probs need a reference policy (grpo.kl_beta > 0 or reset_reference())")
-            saved = self._swap_in(self._ref_state)
+            if self.reference_on == "device":
+                self._exchange_reference()
+                try:
+                    return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
+                finally:
+                    self._exchange_reference()
+            saved = self._save_params()
+            self._load_params(self._ref_state)
             try:
                 return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
             finally:
-                self._swap_in(saved)
+                self._load_params(saved)
         n, T = batch.tokens.shape
         if T < 2:
             raise ValueError(f"tokens must have at least 2 positions, got T={T}")
         mbs = min(micro_batch_size or self.micro_batch_size, n)
-        tokens = self._pad_rows(batch, mbs).tokens
-        chunks = list(tokens.split(mbs))
+        micro, rows = self._micro_batches(batch, mbs)
+        chunks = [mb.tokens for mb in micro]
 
         def forward_step(data_iterator, model):
             tok = next(data_iterator).to(self.device)
@@ -388,20 +515,27 @@ class MegatronCoreActor:
 
             return out, loss_func
 
-        store = self._forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(chunks),
-            model=self.model,
-            num_microbatches=len(chunks),
-            seq_length=T,
-            micro_batch_size=mbs,
-            forward_only=True,
-        )
+        with self._eval_mode():
+            store = self._forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(chunks),
+                model=self.model,
+                num_microbatches=len(chunks),
+                seq_length=T,
+                micro_batch_size=mbs,
+                forward_only=True,
+            )
         if self.is_last_stage:
-            result = torch.cat([d["logprobs"] for d in store], dim=0)[:n].contiguous()
+            result = torch.zeros(len(rows), T - 1, dtype=torch.float32, device=self.device)
+            for d, r in zip(store, rows.split(mbs)):
+                lp = d["logprobs"]
+                result[r.to(self.device), : lp.shape[1]] = lp
+            result = result[:n].contiguous()
         else:
             result = torch.empty(n, T - 1, dtype=torch.float32, device=self.device)
-        return self._pp_broadcast(result).cpu()
+        result = self._pp_broadcast(result).cpu()
+        ends = (batch.prompt_lengths + batch.response_lengths).unsqueeze(1)  # [N, 1]
+        return result.masked_fill(torch.arange(1, T).unsqueeze(0) >= ends, 0.0)
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
@@ -414,8 +548,7 @@ class MegatronCoreActor:
         mbs = min(micro_batch_size or self.micro_batch_size, n)
         if mbs < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        padded = self._pad_rows(batch, mbs)
-        micro = [padded.select(slice(i, i + mbs)) for i in range(0, len(padded), mbs)]
+        micro, _ = self._micro_batches(batch, mbs)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -497,7 +630,9 @@ class MegatronCoreActor:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample one response per prompt with megatron's KV cache (``InferenceParams``); see
-        :mod:`laconic_nemo.rollout.megatron_sampler`. Returns CPU tensors, identical on every TP/PP rank."""
+        :mod:`laconic_nemo.rollout.megatron_sampler` (``rollout.sampler``: the host float64 loop or the
+        on-device loop with finished rows compacted out of the batch and the KV cache). Returns CPU tensors,
+        identical on every TP/PP rank."""
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.inference_params import InferenceParams
 
@@ -512,6 +647,7 @@ class MegatronCoreActor:
         if max_pos is not None and max_len > max_pos:
             raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings {max_pos}")
         params = InferenceParams(max_batch_size=B, max_sequence_length=max_len)
+        on_device = self.sampler == "device"
 
         def step(tokens: torch.Tensor, start: int):
             tok = tokens.to(self.device)
@@ -535,12 +671,12 @@ class MegatronCoreActor:
                 model=self.model,
                 num_microbatches=1,
                 seq_length=tok.shape[1],
-                micro_batch_size=B,
+                micro_batch_size=tok.shape[0],
                 forward_only=True,
             )
             params.sequence_len_offset += tok.shape[1]
             if self.is_last_stage and self.tp_rank == 0:
-                return box[0].cpu()
+                return box[0] if on_device else box[0].cpu()
             return None
 
         def broadcast(sampled: torch.Tensor | None, b: int) -> torch.Tensor:
@@ -552,9 +688,23 @@ class MegatronCoreActor:
                     src=parallel_state.get_tensor_model_parallel_src_rank(),
                     group=parallel_state.get_tensor_model_parallel_group(),
                 )
-            return self._pp_broadcast(buf).cpu()
+            buf = self._pp_broadcast(buf)
+            return buf if on_device else buf.cpu()
 
-        return megatron_sampler.sample(step, broadcast, prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+        def compact(keep: torch.Tensor) -> None:
+            # keep only these rows of every layer's KV cache [max_seq, b, groups, head_dim]
+            for layer, (k, v) in params.key_value_memory_dict.items():
+                params.key_value_memory_dict[layer] = (k.index_select(1, keep), v.index_select(1, keep))
+            params.max_batch_size = params.current_batch_size = len(keep)
+
+        with self._eval_mode():
+            if not on_device:
+                return megatron_sampler.sample(step, broadcast, prompts, sampling, stream=self.dp_rank,
+                                               pad_id=self.pad_id)
+            return megatron_sampler.sample_on_device(
+                step, broadcast, prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id, device=self.device,
+                compact=compact if self.compact_rows else None, sync_every=self.sync_every,
+            )
 
     def attach_rollout_engine(self, engine) -> None:
         """Generate with ``engine`` (e.g. :class:`laconic_nemo.rollout.vllm.VLLMRolloutEngine`) instead of
@@ -578,7 +728,7 @@ class MegatronCoreActor:
             "model": {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": {"step_count": self.step_count, "lr": self.lr, "warmup_steps": self.warmup_steps},
-            "reference": None if self._ref_state is None else {k: v.clone() for k, v in self._ref_state.items()},
+            "reference": None if self._ref_state is None else {k: v.to("cpu", copy=True) for k, v in self._ref_state.items()},
             "parallel": {"tp": self.info.tp_size, "pp": self.info.pp_size, "tp_rank": self.tp_rank,
                          "pp_rank": self.pp_rank},
         }
@@ -601,7 +751,7 @@ class MegatronCoreActor:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.step_count = int(state["scheduler"]["step_count"])
         ref = state.get("reference")
-        self._ref_state = None if ref is None else {k: v.clone() for k, v in ref.items()}
+        self._ref_state = None if ref is None else {k: self._place_reference(v) for k, v in ref.items()}
 
     # ------------------------------------------------------------------ full (unsharded) tensors
     def _global_name(self, name: str) -> str:
@@ -676,8 +826,19 @@ class MegatronCoreActor:
             p.data.copy_(t.to(p.device, p.dtype))
 
 
+def _cut(batch: TrainBatch, T: int) -> TrainBatch:
+    """``batch`` restricted to its first ``T`` positions (tokens ``[n, T]``, per-token fields ``[n, T-1]``)."""
+    batch.tokens = batch.tokens[:, :T]
+    for name in ("response_mask", "old_logprobs", "ref_logprobs"):
+        t = getattr(batch, name)
+        if t is not None:
+            setattr(batch, name, t[:, : T - 1])
+    return batch
+
+
 def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
-    """megatron TransformerConfig for the synthetic GPT (fusions off, dropout 0, fp32 on CPU)."""
+    """megatron TransformerConfig for the synthetic GPT (dropout 0; fp32 and fusions off on CPU, the available
+    fusions on GPU: :func:`laconic_nemo.kernels.fusion_flags`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     precision = str(_cfg_get(model_cfg, "precision", "fp32"))
@@ -706,19 +867,20 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         calculate_per_token_loss=True,
-        **UNFUSED_KERNELS,
+        **fusion_flags(on_gpu),
     )
 
 
 def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embeddings: int, pre_process: bool,
-                    post_process: bool):
-    """megatron-core GPTModel with the local (non-TransformerEngine) layer spec and RoPE, untied output."""
+                    post_process: bool, attention: str = "local"):
+    """megatron-core GPTModel with the local layer spec, core attention ``attention`` (a resolved
+    ``model.attention``, see :mod:`laconic_nemo.kernels`), RoPE, untied output."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return GPTModel(
         config=tconfig,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=with_core_attention(get_gpt_layer_local_spec(), attention),
         vocab_size=padded_vocab_size,
         max_sequence_length=max_position_embeddings,
         pre_process=pre_process,

@@ -1,8 +1,10 @@
 """Build a megatron-core GPTModel with the architecture of a Hugging Face checkpoint.
 
-Uses the megatron-core *local* layer spec (no TransformerEngine, no apex): ``torch.nn.RMSNorm``,
-column/row-parallel linears, SwiGLU (``gated_linear_unit`` with silu), per-head q/k RMSNorm for Qwen3,
-bias on the fused QKV only for Qwen2. The same spec runs on CPU (gloo) and GPU (NCCL).
+Uses the megatron-core *local* layer spec (no apex): ``torch.nn.RMSNorm``, column/row-parallel linears,
+SwiGLU (``gated_linear_unit`` with silu), per-head q/k RMSNorm for Qwen3, bias on the fused QKV only for
+Qwen2. The core attention is chosen per device (:mod:`laconic_nemo.kernels`: TransformerEngine or
+``scaled_dot_product_attention`` on GPU); it owns no parameters, so names are the same for every choice.
+The same spec runs on CPU (gloo) and GPU (NCCL).
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from laconic_nemo.bridge.arch import ModelArch, padded_vocab_size
-from laconic_nemo.megatron_env import UNFUSED_KERNELS
+from laconic_nemo.kernels import core_attention_module, fusion_flags, resolve_attention
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = True, dtype: torch.dtype | None = None,
                        **overrides):
     """A ``megatron.core.transformer.TransformerConfig`` for ``arch`` at tensor-parallel size ``tp`` and
     pipeline size ``pp``. ``cpu=True``: float32, CPU initialisation, every fusion off (what megatron-core
-    needs to run over gloo). ``dtype`` defaults to float32 on CPU and bfloat16 otherwise. ``overrides``
-    are passed to TransformerConfig last (e.g. ``recompute_granularity``)."""
+    needs to run over gloo); on GPU the fusions whose kernels are available (:func:`laconic_nemo.kernels.
+    fusion_flags`). ``dtype`` defaults to float32 on CPU and bfloat16 otherwise. ``overrides`` are passed to
+    TransformerConfig last (e.g. ``recompute_granularity``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if tp < 1 or pp < 1:
@@ -59,19 +62,19 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = Tr
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=cpu,
-        **UNFUSED_KERNELS,
+        **fusion_flags(on_gpu=not cpu),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: ModelArch):
+def layer_spec(arch: ModelArch, attention: str = "local"):
     """The megatron-core local transformer-layer ``ModuleSpec`` for ``arch`` (RMSNorm from torch, q/k
-    layernorm when ``arch.qk_norm``). Parameter names are those of ``get_gpt_layer_local_spec``."""
+    layernorm when ``arch.qk_norm``) with core attention ``attention`` (a resolved choice of
+    :func:`laconic_nemo.kernels.resolve_attention`). Parameter names are those of ``get_gpt_layer_local_spec``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -89,7 +92,7 @@ def layer_spec(arch: ModelArch):
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
+                    core_attention=core_attention_module(attention),
                     linear_proj=RowParallelLinear,
                     q_layernorm=norm if arch.qk_norm else IdentityOp,
                     k_layernorm=norm if arch.qk_norm else IdentityOp,
@@ -117,13 +120,15 @@ def _rope_kwargs(arch: ModelArch) -> dict:
 
 
 def build_gpt_model(arch: ModelArch, config, pre_process: bool = True, post_process: bool = True,
-                    vocab_divisible_by: int = 128, parallel_output: bool = True):
-    """One GPTModel (pipeline stage) for ``arch`` with ``config`` from :func:`transformer_config`."""
+                    vocab_divisible_by: int = 128, parallel_output: bool = True, attention: str = "auto"):
+    """One GPTModel (pipeline stage) for ``arch`` with ``config`` from :func:`transformer_config`;
+    ``attention``: ``model.attention`` (auto: by the device the config was built for)."""
     from megatron.core.models.gpt import GPTModel
 
+    on_gpu = not config.use_cpu_initialization  # the device transformer_config(cpu=...) was built for
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, resolve_attention(attention, on_gpu=on_gpu)),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -137,14 +142,14 @@ def build_gpt_model(arch: ModelArch, config, pre_process: bool = True, post_proc
 
 
 def model_provider(arch: ModelArch, cpu: bool | None = None, dtype: torch.dtype | None = None,
-                   vocab_divisible_by: int = 128, parallel_output: bool = True, config=None,
+                   vocab_divisible_by: int = 128, parallel_output: bool = True, config=None, attention: str = "auto",
                    **config_overrides) -> Callable[[bool, bool], object]:
     """A ``(pre_process, post_process) -> GPTModel`` callable for the actor.
 
     config: the TransformerConfig every stage shares (pass the one the actor holds, so that settings the actor
     puts on it, e.g. ``finalize_model_grads_func``, reach the model). Without it, one is built when the
     callable runs, with TP and PP sizes from ``megatron.core.parallel_state``. ``cpu`` defaults to
-    ``not torch.cuda.is_available()``.
+    ``not torch.cuda.is_available()``. attention: ``model.attention`` (see :mod:`laconic_nemo.kernels`).
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -157,13 +162,13 @@ def model_provider(arch: ModelArch, cpu: bool | None = None, dtype: torch.dtype 
             tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
             pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
             cfg = transformer_config(arch, tp=tp, pp=pp, cpu=cpu, dtype=dtype, **config_overrides)
-        return build_gpt_model(arch, cfg, pre_process, post_process, vocab_divisible_by, parallel_output)
+        return build_gpt_model(arch, cfg, pre_process, post_process, vocab_divisible_by, parallel_output, attention)
 
     return provide
 
 
 def actor_kwargs(arch: ModelArch, tp: int, pp: int, cpu: bool | None = None, dtype: torch.dtype | None = None,
-                 vocab_divisible_by: int = 128, **config_overrides) -> dict:
+                 vocab_divisible_by: int = 128, attention: str = "auto", **config_overrides) -> dict:
     """The model part of ``MegatronCoreActor(...)`` for ``arch``: ``transformer_config``, ``model_provider``
     (sharing that config), ``vocab_size`` (HF) and ``padded_vocab_size`` (multiple of ``vocab_divisible_by * tp``)."""
     if cpu is None:
@@ -171,7 +176,8 @@ def actor_kwargs(arch: ModelArch, tp: int, pp: int, cpu: bool | None = None, dty
     config = transformer_config(arch, tp=tp, pp=pp, cpu=cpu, dtype=dtype, **config_overrides)
     return {
         "transformer_config": config,
-        "model_provider": model_provider(arch, cpu=cpu, vocab_divisible_by=vocab_divisible_by, config=config),
+        "model_provider": model_provider(arch, cpu=cpu, vocab_divisible_by=vocab_divisible_by, config=config,
+                                         attention=attention),
         "vocab_size": arch.vocab_size,
         "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
     }

@@ -11,9 +11,18 @@ current position are fed their own prompt token instead of a sample (the classic
 row finishes on EOS (kept in ``tokens``, counted in ``response_lengths``, not in ``lengths``) or after
 ``max_new_tokens`` generated tokens (``truncated``).
 
-Randomness: sample ``i`` draws from its own ``torch.Generator`` seeded by ``(seed, stream, i)`` (stream
-= the data-parallel rank), one uniform per generated token, so a sample's tokens do not depend on the
-other prompts in the batch nor on how the batch is split.
+Two loops share this layout:
+
+* :func:`sample` (``rollout.sampler: exact``, the CPU default): float64 softmax / nucleus / inverse CDF on
+  the host; sample ``i`` draws from its own ``torch.Generator`` seeded by ``(seed, stream, i)`` (stream =
+  the data-parallel rank), one uniform per generated token.
+* :func:`sample_on_device` (``rollout.sampler: device``, the GPU default): everything stays on the
+  logits' device in float32; the uniform of the ``t``-th generated token of sample ``i`` is a counter-based
+  hash of ``(seed, stream, i, t)`` (no generator state, nothing to keep in step across ranks); the host
+  synchronises only every ``sync_every`` decode steps, and rows that finished are then dropped from the
+  batch and from the KV cache (``compact``), so a rollout stops paying for them.
+
+In both, a sample's tokens do not depend on the other prompts in the batch nor on how the batch is split.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
 StepFn = Callable[[torch.Tensor, int], "torch.Tensor | None"]
 # broadcast(tokens [B] long or None) -> the deciding rank's tokens on every model-parallel rank.
 BroadcastFn = Callable[["torch.Tensor | None", int], torch.Tensor]
+# compact(keep [b'] long, indices into the rows of the current batch) -> None: drop every other row from the
+# step's state (KV cache); later step calls receive only the kept rows, in this order.
+CompactFn = Callable[[torch.Tensor], None]
 
 
 def check_sampling(sampling: SamplingParams) -> None:
@@ -154,4 +166,151 @@ def sample(
         response_lengths=response_lengths,
         lengths=lengths,
         truncated=truncated,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- device
+_M64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    c &= _M64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` by ``k`` (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) [B] float64 from per-sample seeds [B] int64 and token counters [B] int64: the
+    splitmix64 finaliser of ``seed + (counter + 1) * golden``, top 53 bits. A pure function of each pair,
+    on any device (int64 arithmetic wraps modulo 2^64 on CPU and CUDA)."""
+    x = seeds + (counters + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def draw_on_device(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Token ids [B] from logits [B, V] (any float dtype, on any device) and uniforms [B] in [0, 1).
+
+    float32 softmax(logits / temperature); with top_p < 1 the nucleus (the most probable tokens, by
+    probability then token id, whose preceding mass is below top_p); then the inverse CDF of the kept
+    mass at ``u * kept mass``. No host synchronisation, no float64 over the vocabulary."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        probs = torch.where(mass_before < top_p, probs, torch.zeros_like(probs))
+    else:
+        order = None
+    cdf = torch.cumsum(probs, dim=-1)
+    u = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # never past the last token with mass (u * total at the top of the cdf, round-off)
+    last_nonzero = (probs > 0).to(torch.int64).cumsum(-1).argmax(-1)
+    idx = torch.minimum(idx, last_nonzero)
+    return idx if order is None else order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_on_device(
+    step: StepFn,
+    broadcast: BroadcastFn,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    stream: int = 0,
+    pad_id: int | None = None,
+    device: torch.device | str = "cpu",
+    compact: CompactFn | None = None,
+    sync_every: int = 8,
+) -> GenerationOutput:
+    """Sample one response per prompt with all per-token work on ``device``. Call on every model-parallel
+    rank (SPMD); same contract as :func:`sample`, except:
+
+    step: receives device tokens [b, s] of the rows still in the batch and returns device logits [b, V]
+    (or None on ranks that do not sample); broadcast: device tokens [b] in and out.
+    compact: when given, at every synchronisation point the finished rows are dropped (``compact(keep)``
+    is called first, so the step can shrink its KV cache); without it they are fed padding until all end.
+    sync_every: decode steps between host synchronisations (finished? compact?); a row may be fed up to
+    ``sync_every - 1`` padding tokens after its end, which changes nothing in its output.
+    Returns CPU tensors as described in :class:`GenerationOutput`.
+    """
+    check_sampling(sampling)
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    if sync_every < 1:
+        raise ValueError(f"rollout.sync_every must be >= 1, got {sync_every}")
+    device = torch.device(device)
+    pad = sampling.eos_id if pad_id is None else pad_id
+    B = len(prompts)
+    L_max = int(sampling.max_new_tokens)
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    P_min, P_max = int(prompt_lens.min()), int(prompt_lens.max())
+    buf = torch.full((B, P_max + L_max), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    buf = buf.to(device)
+    prompt_lens = prompt_lens.to(device)
+    seeds = torch.tensor([sample_seed(sampling.seed, stream, i) for i in range(B)], dtype=torch.long, device=device)
+
+    rows = torch.arange(B, device=device)  # rows still in the batch, in the step's order
+    generated = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
+    cur = P_min
+    logits = step(buf[:, :cur], 0)
+    since_sync = 0
+    while True:
+        r_done = done[rows]
+        active = (prompt_lens[rows] <= cur) & ~r_done
+        r_gen = generated[rows]
+        if logits is not None:
+            u = counter_uniforms(seeds[rows], r_gen)
+            sampled = draw_on_device(logits, u, sampling.temperature, sampling.top_p)
+        else:
+            sampled = None
+        sampled = broadcast(sampled, len(rows))
+        nxt = torch.where(active, sampled, buf[rows, cur])
+        nxt = torch.where(r_done, torch.full_like(nxt, pad), nxt)
+        buf[rows, cur] = nxt
+        r_gen = r_gen + active.long()
+        generated[rows] = r_gen
+        new_eos = active & (nxt == sampling.eos_id)
+        hit_eos[rows] |= new_eos
+        done[rows] = r_done | new_eos | (active & (r_gen >= L_max))
+        cur += 1
+        if cur >= buf.shape[1]:
+            break
+        since_sync += 1
+        if since_sync >= sync_every:
+            since_sync = 0
+            r_done = done[rows].cpu()
+            if bool(r_done.all()):
+                break
+            if compact is not None and bool(r_done.any()):
+                keep = torch.nonzero(~r_done).flatten().to(device)
+                compact(keep)
+                rows = rows[keep]
+        logits = step(buf[rows, cur - 1 : cur], cur - 1)
+
+    response_lengths = generated.cpu()
+    hit_eos = hit_eos.cpu()
+    prompt_lens = prompt_lens.cpu()
+    T = int((prompt_lens + response_lengths).max())
+    return GenerationOutput(
+        tokens=buf[:, :T].cpu(),
+        prompt_lengths=prompt_lens,
+        response_lengths=response_lengths,
+        lengths=response_lengths - hit_eos.long(),
+        truncated=~hit_eos & (response_lengths >= L_max),
     )

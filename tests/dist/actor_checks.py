@@ -2,7 +2,9 @@
 
 Run by tests/test_megatron_actor.py through torch.multiprocessing (one job per layout); each rank writes
 ``<out>/<layout>_rank<r>.pt`` with the measured errors and flags, the test asserts on them.
-Layouts: tp2 (TP=2, KL on), pp2 (PP=2), dp2 (DP=2, each rank holding half of the batch).
+Layouts: tp2 (TP=2, KL on), pp2 (PP=2), dp2 (DP=2, each rank holding half of the batch). Every layout runs
+the ``sdpa`` core attention (``scaled_dot_product_attention``; megatron's local attention is checked against
+Hugging Face in tests/test_bridge.py) and both samplers (host float64 and on-device with row compaction).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def make_config(tp: int, pp: int, kl_beta: float):
     root = Path(__file__).resolve().parents[2]
     cfg = OmegaConf.load(root / "recipes" / "base.yaml")
     cfg.model.update(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-                     vocab_size=VOCAB, max_position_embeddings=128)
+                     vocab_size=VOCAB, max_position_embeddings=128, attention="sdpa")
     cfg.parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo")
     cfg.optim.update(lr=1e-3, adam_eps=1e-3, grad_clip=0.5, warmup_steps=0)
     cfg.grpo.update(kl_beta=kl_beta, micro_batch_size=3, clip_eps=0.2, clip_eps_high=0.28)
@@ -118,7 +120,11 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     # 1. log-probs
     ref_lp = R.token_logprobs(w64, batch.tokens, LAYERS, HEADS)
     lp = actor.logprobs(local)
-    res["logprob_err"] = float((lp.double() - ref_lp[rows]).abs().max())
+    # positions up to each row's end (prompt + response); past it log-probs are 0
+    ends = batch.prompt_lengths + batch.response_lengths
+    inside = (torch.arange(T - 1).unsqueeze(0) < (ends - 1).unsqueeze(1))[rows]
+    res["logprob_err"] = float(((lp.double() - ref_lp[rows]) * inside).abs().max())
+    res["logprob_past_end_max"] = float((lp * ~inside).abs().max())
     if kl_beta > 0:
         local.ref_logprobs = actor.logprobs(local, reference=True)
         batch.ref_logprobs = ref_lp.float()
@@ -138,8 +144,8 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     res["update_err"] = max_err(actor.full_state_dict(), ref_new)
     res["update_scale"] = max(float((ref_new[k] - w64[k]).abs().max()) for k in w64)
     if kl_beta > 0:  # reference weights survive the update
-        res["ref_logprob_err_after_step"] = float((actor.logprobs(local, reference=True).double() - ref_lp[rows])
-                                                  .abs().max())
+        res["ref_logprob_err_after_step"] = float(((actor.logprobs(local, reference=True).double() - ref_lp[rows])
+                                                   * inside).abs().max())
 
     # 3. generation
     g = torch.Generator().manual_seed(5)
@@ -175,6 +181,23 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
 
     ref_out = megatron_sampler.sample(ref_step, lambda x, b: x, prompts, sp, stream=actor.dp_rank)
     res["gen_matches_float64_recompute"] = torch.equal(ref_out.tokens, out.tokens)
+
+    # 3b. the on-device sampler (finished rows compacted out of the KV cache every 4 steps) against the same
+    # loop on the float64 reference model, whose "cache" (the fed sequences) is compacted alike
+    actor.sampler, actor.sync_every = "device", 4
+    dev_out = actor.generate(prompts, sp)
+    res["dev_gen"] = {k: getattr(dev_out, k) for k in res["gen"]}
+    dev_prefix = actor.generate(prompts[:5], sp)
+    res["dev_gen_prefix_same"] = torch.equal(dev_prefix.tokens, dev_out.tokens[:5, : dev_prefix.tokens.shape[1]])
+    _cache.clear()
+
+    def compact(keep):
+        _cache["seq"] = _cache["seq"][keep]
+
+    ref_dev = megatron_sampler.sample_on_device(ref_step, lambda x, b: x, prompts, sp, stream=actor.dp_rank,
+                                                compact=compact, sync_every=4)
+    res["dev_gen_matches_float64_recompute"] = torch.equal(ref_dev.tokens, dev_out.tokens)
+    actor.sampler = "exact"
 
     # 4. checkpoint round trip: state after step 1, step 2 twice from it
     buf = io.BytesIO()

@@ -1,0 +1,353 @@
+"""One-GPU benchmark of the megatron-core actor: rollout and training throughput at the paper's shapes.
+
+    python benchmarks/gpu_step.py --device cuda                 # Qwen2.5-1.5B shapes, bf16 (about 5 minutes)
+    python benchmarks/gpu_step.py --device cuda --shape small   # a 0.1B model with the same layout
+    python benchmarks/gpu_step.py --device cpu                  # tiny shapes, fp32: keeps the script alive in CI
+
+Builds a random-weight model from a config written here (no download) through the bridge, once as a
+megatron-core GPTModel (the actor) and once as the Hugging Face model with the same weights, and prints:
+
+1. rollout tokens/s: the actor's on-device sampler (``rollout.sampler=device``, finished rows compacted),
+   the same with megatron's unfused attention, the host float64 sampler (the CPU default; a short run, it is
+   per-token bound) and Hugging Face ``generate`` on the same weights and batch (64 prompts of 200 tokens,
+   1024 new tokens, EOS disabled: every row runs to the end), with the ratio to ``generate``;
+2. one GRPO optimiser step at the paper's shapes (prompts ~200 tokens, responses of 300-4096 tokens,
+   micro-batch 4): tokens/s, MFU against the device's bf16 peak (the data-sheet value, and a bf16 matmul
+   measured in the same run), peak memory, and the share of processed tokens that are padding, with the
+   length-sorted micro-batches (``grpo.sort_by_length``) and without; attention sdpa vs megatron's local one.
+
+Out-of-memory in one configuration is reported in its row and the script goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B): 1.54 B parameters, tied embeddings, GQA 12/2 heads
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_layers=28, num_attention_heads=12,
+                         num_kv_heads=2, head_dim=128, ffn_hidden_size=8960, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, qkv_bias=True, qk_norm=False),
+    # the same layout at ~0.1 B parameters
+    "small": dict(model_type="qwen2", hidden_size=512, num_layers=8, num_attention_heads=8, num_kv_heads=2,
+                  head_dim=64, ffn_hidden_size=2048, vocab_size=151936, max_position_embeddings=32768,
+                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False),
+    # CPU smoke shape
+    "tiny": dict(model_type="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                 head_dim=16, ffn_hidden_size=128, vocab_size=512, max_position_embeddings=2048,
+                 rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False),
+}
+H100_BF16_PEAK = 989e12  # H100 SXM dense bf16, data sheet
+
+
+def hf_config(arch) -> dict:
+    """The Hugging Face config.json of ``arch`` (qwen2)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": arch.hidden_size,
+        "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
+        "intermediate_size": arch.ffn_hidden_size, "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings, "rope_theta": arch.rope_theta,
+        "rms_norm_eps": arch.rms_norm_eps, "tie_word_embeddings": arch.tie_word_embeddings,
+        "hidden_act": "silu", "use_sliding_window": False, "attention_dropout": 0.0,
+    }
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def params_count(arch) -> int:
+    h, f, v, L = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.num_layers
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    attn = h * (q + 2 * kv) + (q + 2 * kv) * arch.qkv_bias + q * h
+    layer = attn + 3 * h * f + 2 * h
+    return L * layer + v * h * (1 if arch.tie_word_embeddings else 2) + h
+
+
+def train_flops(arch, lengths: list[int]) -> float:
+    """Model FLOPs of forward + backward for sequences of ``lengths`` tokens: 6 x (non-embedding params +
+    output layer) per token, plus causal attention 6 x 2 x L x s^2/2 x heads x head_dim per sequence."""
+    n_dense = params_count(arch) - arch.vocab_size * arch.hidden_size  # the embedding lookup is no matmul
+    n_dense += arch.vocab_size * arch.hidden_size  # the output projection is
+    tokens = sum(lengths)
+    attn = sum(6 * 2 * arch.num_layers * (s * s / 2) * arch.num_attention_heads * arch.head_dim for s in lengths)
+    return 6.0 * n_dense * tokens + attn
+
+
+def matmul_tflops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
+
+
+def build_actor(arch, attention: str, device, dtype, args):
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.bridge.megatron import actor_kwargs
+    from laconic_nemo.megatron_env import init_distributed
+
+    info = init_distributed(1, 1, backend="auto", seed=0)
+    kw = actor_kwargs(arch, 1, 1, cpu=device.type != "cuda", dtype=dtype, attention=attention)
+    return MegatronCoreActor(info, **kw, lr=1e-6, micro_batch_size=args.micro_batch, kl_beta=0.0,
+                             sampler="device", sort_by_length=True)
+
+
+def set_recompute(config, setting: str, num_layers: int) -> str:
+    """Activation recompute on megatron's TransformerConfig (read at every forward): ``all`` (every layer),
+    ``0`` (none) or N (the first N layers, megatron's "block" method). Returns a label."""
+    n = num_layers if setting == "all" else int(setting)
+    if n <= 0:
+        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
+        return "no recompute"
+    config.recompute_granularity, config.recompute_num_layers = "full", min(n, num_layers)
+    config.recompute_method = "uniform" if n >= num_layers else "block"
+    if n >= num_layers:
+        config.recompute_num_layers = 1
+    return f"recompute {min(n, num_layers)}/{num_layers} layers"
+
+
+def free(*objs):
+    for o in objs:
+        del o
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_rollout(actor, prompts, new_tokens, sampler: str, eos_id: int, device) -> tuple[float, int]:
+    from laconic_nemo.grpo.interfaces import SamplingParams
+
+    actor.sampler = sampler
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=1)
+    sync(device)
+    t = time.perf_counter()
+    out = actor.generate(prompts, sp)
+    sync(device)
+    return time.perf_counter() - t, int(out.response_lengths.sum())
+
+
+def time_hf_generate(hf, prompts, new_tokens, device) -> tuple[float, int]:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    sync(device)
+    t = time.perf_counter()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    sync(device)
+    return time.perf_counter() - t, int((out.shape[1] - ids.shape[1]) * ids.shape[0])
+
+
+def train_batch(arch, n: int, prompt_len: int, max_resp: int, seed: int = 0):
+    """A GRPO minibatch: n rows, prompts of ``prompt_len`` tokens, responses of 300..max_resp tokens (uniform),
+    right-padded to the longest; random tokens, advantages and old log-probs."""
+    from laconic_nemo.grpo.interfaces import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lo = min(300, max_resp // 6)
+    resp = torch.randint(lo, max_resp + 1, (n,), generator=g)
+    resp[0] = max_resp
+    T = prompt_len + max_resp
+    tokens = torch.randint(0, arch.vocab_size, (n, T), generator=g)
+    mask = torch.zeros(n, T - 1)
+    for i in range(n):
+        mask[i, prompt_len - 1 : prompt_len - 1 + int(resp[i])] = 1.0
+        tokens[i, prompt_len + int(resp[i]) :] = 0
+    old = -5.0 * mask
+    return TrainBatch(tokens, torch.full((n,), prompt_len), resp, mask, advantages=torch.randn(n, generator=g),
+                      old_logprobs=old)
+
+
+def time_train(actor, batch, device, steps: int) -> dict:
+    from laconic_nemo.grpo.loss import make_grpo_loss_fn
+
+    fn = make_grpo_loss_fn(0.2, 0.28, 0.0, "token_mean", float(batch.response_mask.sum()), float(len(batch)))
+    actor.train_step(batch, fn)  # warm-up (allocations, kernels)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        actor.train_step(batch, fn)
+    sync(device)
+    dt = (time.perf_counter() - t) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return {"s_per_step": dt, "peak_gib": peak}
+
+
+def padding_share(batch, mbs: int, sort: bool) -> float:
+    """Share of the processed token positions that are padding, for micro-batches of ``mbs`` rows."""
+    ends = (batch.prompt_lengths + batch.response_lengths).tolist()
+    order = sorted(range(len(ends)), key=lambda i: -ends[i]) if sort else list(range(len(ends)))
+    processed = 0
+    for i in range(0, len(order), mbs):
+        rows = order[i : i + mbs]
+        width = max(ends[r] for r in rows) if sort else batch.tokens.shape[1]
+        processed += width * len(rows)
+    return 1.0 - sum(ends) / processed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: qwen2.5-1.5b on cuda, tiny on cpu")
+    ap.add_argument("--prompts", type=int, default=None, help="rollout batch (default 64; 8 on cpu)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 200; 16 on cpu)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="rollout tokens per row (default 1024; 32 on cpu)")
+    ap.add_argument("--exact-tokens", type=int, default=16, help="new tokens for the (slow) host float64 sampler")
+    ap.add_argument("--train-rows", type=int, default=None, help="rows of the GRPO minibatch (default 16; 8 on cpu)")
+    ap.add_argument("--max-response", type=int, default=None, help="longest response (default 4096; 48 on cpu)")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--train-steps", type=int, default=2)
+    ap.add_argument("--recompute-layers", default="all",
+                    help="GPU: comma list of settings to train with, each a number of layers whose activations are "
+                         "recomputed in backward (all = every layer; 0 = none); e.g. all,14")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: rollout,hf,local,local-rollout,train")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_step: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    cpu = device.type == "cpu"
+    if cpu:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
+    n_prompts = args.prompts or (8 if cpu else 64)
+    prompt_len = args.prompt_len or (16 if cpu else 200)
+    new_tokens = args.new_tokens or (32 if cpu else 1024)
+    train_rows = args.train_rows or (8 if cpu else 16)
+    max_resp = args.max_response or (48 if cpu else 4096)
+    skip = set(filter(None, args.skip.split(",")))
+    dtype = torch.float32 if cpu else torch.bfloat16
+
+    from laconic_nemo.bridge import ModelArch, load_hf_state_dict
+
+    arch = ModelArch(**SHAPES[shape])
+    dev_name = torch.cuda.get_device_name(0) if not cpu else "cpu"
+    peak_meas = matmul_tflops(device)
+    print(f"# gpu_step: device {dev_name} | torch {torch.__version__} | shape {shape} "
+          f"({params_count(arch) / 1e9:.3f} B params) | {str(dtype).replace('torch.', '')}")
+    if peak_meas:
+        print(f"# bf16 8192^3 matmul measured: {peak_meas:.0f} TFLOP/s; data-sheet peak {H100_BF16_PEAK / 1e12:.0f}")
+
+    # the Hugging Face model with random weights, its state dict feeds the megatron actor
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config(arch)), dtype=dtype,
+                                              attn_implementation="sdpa")
+    hf.eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(1, arch.vocab_size, (n_prompts, prompt_len), generator=g).tolist()
+    eos_id = arch.vocab_size - 1  # a single id of 150k: hit with probability ~1e-5 per token; counted if hit
+
+    rows = []  # (section, variant, measured, throughput, ratio or MFU), printed as they come and as a table
+
+    def add(*row):
+        rows.append(row)
+        print("  " + " | ".join(row), flush=True)
+
+    hf_tps = None
+    if "hf" not in skip and "rollout" not in skip:
+        time_hf_generate(hf, [p[:8] for p in prompts[:2]], 4, device)  # warm-up
+        dt, ntok = time_hf_generate(hf, prompts, new_tokens, device)
+        hf_tps = ntok / dt
+        add("rollout", "HF generate (sdpa)", f"{ntok} tok in {dt:.1f} s", f"{hf_tps:,.0f} tok/s", "1.00")
+    hf_sd = {k: v.detach().to("cpu", copy=True) for k, v in hf.state_dict().items()}
+    hf = None
+    free()
+
+    attentions = ["sdpa"] + ([] if "local" in skip else ["local"])
+    for attention in attentions:
+        actor = build_actor(arch, attention, device, dtype, args)
+        load_hf_state_dict(actor.model, hf_sd, arch)
+        if hasattr(actor.optimizer, "reload_model_params"):
+            actor.optimizer.reload_model_params()
+        if "rollout" not in skip and not (attention == "local" and "local-rollout" in skip):
+            time_rollout(actor, [p[:8] for p in prompts[:2]], 4, "device", eos_id, device)  # warm-up
+            try:
+                dt, ntok = time_rollout(actor, prompts, new_tokens, "device", eos_id, device)
+                tps = ntok / dt
+                ratio = f"{tps / hf_tps:.2f}" if hf_tps else "-"
+                add("rollout", f"megatron device sampler, {attention}", f"{ntok} tok in {dt:.1f} s",
+                    f"{tps:,.0f} tok/s", ratio)
+            except torch.cuda.OutOfMemoryError:
+                add("rollout", f"megatron device sampler, {attention}", "OOM", "-", "-")
+            if attention == "sdpa":
+                n_ex = min(args.exact_tokens, new_tokens)
+                dt, ntok = time_rollout(actor, prompts, n_ex, "exact", eos_id, device)
+                tps = ntok / dt
+                ratio = f"{tps / hf_tps:.2f}" if hf_tps else "-"
+                add("rollout", f"megatron host float64 sampler ({n_ex} tok), {attention}",
+                    f"{ntok} tok in {dt:.1f} s", f"{tps:,.0f} tok/s", ratio)
+            actor.sampler = "device"
+        free()
+        if "train" not in skip:
+            batch = train_batch(arch, train_rows, prompt_len, max_resp)
+            lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+            flops = train_flops(arch, lengths)
+            settings = args.recompute_layers.split(",") if not cpu else ["0"]
+            variants = [(st, True) for st in (settings if attention == "sdpa" else settings[:1])]
+            variants.append((settings[0], False))
+            for setting, sort in variants:
+                actor.sort_by_length = sort
+                rc = set_recompute(actor.config, setting, arch.num_layers)
+                label = f"GRPO step, {attention}, {'length-sorted' if sort else 'fixed-width'} micro-batches, {rc}"
+                try:
+                    r = time_train(actor, batch, device, args.train_steps)
+                except torch.cuda.OutOfMemoryError:
+                    add("train", label, f"{train_rows} x <= {prompt_len + max_resp} tok", "OOM", "-")
+                    free()
+                    continue
+                tps = sum(lengths) / r["s_per_step"]
+                mfu = flops / r["s_per_step"] / H100_BF16_PEAK
+                extra = f"MFU {100 * mfu:.1f}% (peak 989)"
+                if peak_meas:
+                    extra += f", {100 * flops / r['s_per_step'] / (peak_meas * 1e12):.1f}% (measured)"
+                pad = padding_share(batch, args.micro_batch, sort)
+                add("train", label, f"{r['s_per_step']:.2f} s/step, peak {r['peak_gib']:.1f} GiB, "
+                    f"padding {100 * pad:.1f}%", f"{tps:,.0f} tok/s", extra)
+                free()
+        actor = None
+        free()
+
+    print()
+    print("| section | variant | measured | throughput | ratio / MFU |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print(f"\n# rollout: {n_prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens (EOS id {eos_id}); "
+          f"train: {train_rows} rows, prompt {prompt_len}, responses 300..{max_resp}, micro-batch "
+          f"{args.micro_batch}")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,10 +1,11 @@
 """Answer normalisation and the math-verify equivalence check for one extracted answer.
 
 math-verify's own time limits use ``signal.alarm``; they are switched off here (``parsing_timeout=None``,
-``timeout_seconds=None``) and time is bounded by the caller instead: :func:`bounded` arms an interval timer
-in the main thread of a process (used by the reward's worker processes and by the in-process mode), and the
-worker pool kills a worker whose item overruns its hard timeout (a long computation inside C code, such as
-a huge integer power, cannot be interrupted by a signal).
+``timeout_seconds=None``) and time is bounded by the caller instead: :func:`bounded` arms a CPU-time interval
+timer (and a wall-clock backstop) in the main thread of a process (used by the reward's worker processes and
+by the in-process mode), and a worker process also carries a kernel CPU-time limit that ends it when an item
+overruns its budget inside C code (a huge integer power cannot be interrupted by a signal handler). Bounds are
+CPU time so that a score does not depend on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ STATUSES = ("correct", "wrong", "no_answer", "error")
 # No benchmark reference is longer than ~200 characters; a boxed answer longer than this is graded wrong
 # without parsing (parsing a 200k-character nested expression can take minutes).
 MAX_ANSWER_CHARS = 1000
+# Default wall-clock backstop of a per-item bound, as a multiple of its CPU-time limit: generous enough that a
+# worker descheduled on a saturated node still finishes an item within its CPU budget, short enough that a hung
+# worker does not hold a batch for long.
+WALL_BACKSTOP_FACTOR = 10.0
 # Relative tolerance for the numeric fallback (see `answers_equivalent`): float representation error only.
 NUMERIC_RTOL = 1e-9
 
@@ -281,37 +286,51 @@ def _alarm_usable() -> bool:
 
 
 @contextmanager
-def bounded(seconds: float | None):
-    """Raise :class:`ItemTimeout` inside the block after ``seconds`` (interval timer, main thread only).
+def bounded(seconds: float | None, wall_seconds: float | None = None):
+    """Raise :class:`ItemTimeout` inside the block after ``seconds`` of CPU time of this process, or after
+    ``wall_seconds`` of wall-clock time (a backstop), whichever comes first (main thread only).
 
-    Outside the main thread, or with ``seconds`` None, the block runs unbounded. A previously armed
-    SIGALRM handler/timer is restored afterwards (its remaining time reduced by the time spent here).
+    CPU time is user + system time of the whole process (``ITIMER_PROF``): a block that needs 1 CPU-second
+    gets it whether the machine is idle or every core is busy with other processes. In a single-threaded
+    grading worker that is the item's own cost; in a multi-threaded caller other threads' CPU time counts too.
+    Outside the main thread, or with both bounds None, the block runs unbounded. Previously armed SIGPROF /
+    SIGALRM handlers and timers are restored afterwards (their remaining time reduced by the time spent here).
     """
-    if seconds is None or not _alarm_usable():
+    if (seconds is None and wall_seconds is None) or not _alarm_usable():
         yield
         return
 
-    def _on_alarm(signum, frame):
-        raise ItemTimeout(f"grading exceeded {seconds} s")
+    def _on_cpu(signum, frame):
+        raise ItemTimeout(f"grading exceeded {seconds} CPU seconds")
 
-    old_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    start = time.monotonic()
+    def _on_wall(signum, frame):
+        raise ItemTimeout(f"grading exceeded {wall_seconds} s of wall-clock time")
+
+    armed = []  # (signal, timer, old handler, old delay, old interval, start of the clock)
+    for value, sig, timer, handler, clock in (
+        (seconds, signal.SIGPROF, signal.ITIMER_PROF, _on_cpu, time.process_time),
+        (wall_seconds, signal.SIGALRM, signal.ITIMER_REAL, _on_wall, time.monotonic),
+    ):
+        if value is not None:
+            old_handler = signal.signal(sig, handler)
+            old_delay, old_interval = signal.setitimer(timer, value)
+            armed.append((sig, timer, old_handler, old_delay, old_interval, clock, clock()))
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
-        if old_delay > 0:
-            left = max(old_delay - (time.monotonic() - start), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, left, old_interval)
+        for sig, timer, old_handler, old_delay, old_interval, clock, start in armed:
+            signal.setitimer(timer, 0)
+            signal.signal(sig, old_handler)
+            if old_delay > 0:
+                signal.setitimer(timer, max(old_delay - (clock() - start), 1e-3), old_interval)
 
 
 def grade_extracted(pred: str, golds, timeout_s: float | None = None, max_answer_chars: int = MAX_ANSWER_CHARS,
-                    checker=None) -> str:
+                    checker=None, wall_timeout_s: float | None = None) -> str:
     """Grade an already extracted answer against normalised references.
 
-    Returns "correct", "wrong", "timeout" (the signal bound fired) or "error" (an exception in parsing or
+    ``timeout_s`` bounds the CPU time of the check, ``wall_timeout_s`` its wall-clock time (see :func:`bounded`).
+    Returns "correct", "wrong", "timeout" (a bound fired) or "error" (an exception in parsing or
     comparison). ``checker(pred, golds) -> bool`` replaces :func:`answers_equivalent` when given.
     """
     pred = clean_answer(pred)
@@ -319,7 +338,7 @@ def grade_extracted(pred: str, golds, timeout_s: float | None = None, max_answer
         return "wrong"
     check = answers_equivalent if checker is None else checker
     try:
-        with bounded(timeout_s):
+        with bounded(timeout_s, wall_timeout_s):
             return "correct" if check(pred, tuple(golds)) else "wrong"
     except ItemTimeout:
         return "timeout"
@@ -334,12 +353,14 @@ def grade_one(response: str, answer, *, timeout_s: float | None = None) -> tuple
 
     Returns ``(score, status)`` with score 1.0 only for status "correct"; status is one of
     "correct", "wrong", "no_answer" (no complete boxed answer), "error" (parse/compare failure, or the
-    optional ``timeout_s`` signal bound fired; the bound only works in the main thread).
+    optional ``timeout_s`` bound fired: CPU seconds, with a wall-clock backstop of
+    ``WALL_BACKSTOP_FACTOR * timeout_s``; the bound only works in the main thread).
     """
     pred = extract_answer(response)
     if pred is None:
         return 0.0, "no_answer"
-    status = grade_extracted(pred, normalize_reference(answer), timeout_s=timeout_s)
+    wall = None if timeout_s is None else WALL_BACKSTOP_FACTOR * timeout_s
+    status = grade_extracted(pred, normalize_reference(answer), timeout_s=timeout_s, wall_timeout_s=wall)
     if status == "timeout":
         status = "error"
     return (1.0 if status == "correct" else 0.0), status

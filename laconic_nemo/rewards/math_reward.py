@@ -272,7 +272,7 @@ class MathReward:
         main = _reimported_main_path()
         if main is not None:
             msg += (f" The workers ({self.start_method}) import the main script {main} again: if that script "
-                    f"creates a MathReward, scores, or starts processes at import time, {_GUARD_ADVICE}")
+                    f"creates a MathReward, scores, or starts processes at import time, that is the cause. {_GUARD_ADVICE}")
         return RuntimeError(msg)
 
     def start(self) -> None:

@@ -6,7 +6,11 @@ number form), 35% a wrong answer (another problem's answer, or the value plus on
 (no box at all, or truncated inside it). Each response carries 1-6k characters of reasoning text before
 ``</think>``. Every batch uses different prompts.
 
-    PYTHONPATH=$PWD python benchmarks/reward_throughput.py --batches 3 --workers 0,2
+The same batches are scored twice in one run: with the machine as it is ("idle": no load added), then with
+every core saturated by ``--saturate`` busy-looping processes per core. The per-item limit is CPU time, so the
+timeout count (and every score) must be the same in both phases.
+
+    PYTHONPATH=$PWD python benchmarks/reward_throughput.py --batches 3 --workers 0,2 --saturate 2
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,11 +108,17 @@ def _cpu_s(reward: MathReward) -> float:
 def run_modes(worker_counts: list[int], batches, timeout_s: float) -> list[dict]:
     """Score every batch with every mode, interleaved batch by batch so that load from other processes on a
     shared machine hits all modes alike. Pools are started and every mode is warmed up before timing."""
+    import sympy
+
     import laconic_nemo.rewards._preload  # noqa: F401 - the same warm-up the pool's forkserver does
+    from laconic_nemo.rewards.grader import _parse
+
+    _parse.cache_clear()  # every phase starts from the same cold caches (fresh pool workers do too)
+    sympy.core.cache.clear_cache()
 
     rewards = [MathReward(num_workers=w, timeout_s=timeout_s) for w in worker_counts]
-    stats = [{"times": [], "cpu": [], "graded": [], "unique": [], "max_item": 0.0, "timeouts": 0, "acc": []}
-             for _ in rewards]
+    stats = [{"times": [], "cpu": [], "graded": [], "unique": [], "max_item": 0.0, "max_item_cpu": 0.0,
+              "timeouts": 0, "wall_timeouts": 0, "acc": [], "scores": []} for _ in rewards]
     try:
         for reward in rewards:
             if reward.num_workers:
@@ -121,8 +132,11 @@ def run_modes(worker_counts: list[int], batches, timeout_s: float) -> list[dict]
                 st["graded"].append(res.metrics["graded"])
                 st["unique"].append(res.metrics["unique_graded"])
                 st["max_item"] = max(st["max_item"], res.metrics["max_item_seconds"])
+                st["max_item_cpu"] = max(st["max_item_cpu"], res.metrics.get("max_item_cpu_seconds", math.nan))
                 st["timeouts"] += int(res.metrics["timeouts"])
+                st["wall_timeouts"] += int(res.metrics.get("wall_timeouts", 0))
                 st["acc"].append(res.metrics["accuracy"])
+                st["scores"].extend(res.scores)
     finally:
         for reward in rewards:
             reward.close()
@@ -141,10 +155,29 @@ def run_modes(worker_counts: list[int], batches, timeout_s: float) -> list[dict]
             # worst case if every distinct answer ran into the hard timeout
             "batch_bound_s": math.ceil(max(st["unique"]) / max(1, w)) * timeout_s,
             "max_item_s": st["max_item"],
+            "max_item_cpu_s": st["max_item_cpu"],
             "timeouts": st["timeouts"],
+            "wall_timeouts": st["wall_timeouts"],
             "accuracy": statistics.mean(st["acc"]),
+            "scores": st["scores"],
         })
     return out
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def start_hogs(count: int) -> list[subprocess.Popen]:
+    """``count`` busy-looping processes (other load on the node)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
 
 
 def main(argv=None) -> int:
@@ -155,7 +188,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--group", type=int, default=16, help="samples per prompt (G)")
     parser.add_argument("--workers", default="0,2", help="comma-separated worker counts; 0 = single process")
-    parser.add_argument("--timeout", type=float, default=5.0, help="per-item timeout_s")
+    parser.add_argument("--timeout", type=float, default=5.0, help="per-item timeout_s (CPU seconds)")
+    parser.add_argument("--saturate", type=int, default=2,
+                        help="busy processes per core in the second phase (0: idle phase only)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not (args.data / "benchmarks").is_dir():
@@ -163,26 +198,41 @@ def main(argv=None) -> int:
         return 2
     batches = make_batches(load_rows(args.data), args.batches, args.prompts, args.group, args.seed)
     modes = [int(w) for w in args.workers.split(",")]
+    hog_count = args.saturate * _cores()
     print(f"batch: {args.prompts} prompts x {args.group} samples = {len(batches[0][0])} responses, "
-          f"{args.batches} batches per mode, timeout_s={args.timeout}, cpus={os.cpu_count()}, "
+          f"{args.batches} batches per mode, timeout_s={args.timeout} (CPU), cpus={_cores()}, "
           f"load avg {os.getloadavg()[0]:.2f}")
-    t = time.perf_counter()
-    results = run_modes(modes, batches, args.timeout)
-    print(f"  done in {time.perf_counter() - t:.1f} s", flush=True)
-    base = results[0]["responses_per_s"]
+    phases = [("idle", 0)] + ([(f"saturated ({hog_count} busy processes)", hog_count)] if hog_count else [])
+    table = []
+    for phase, hogs_n in phases:
+        hogs = start_hogs(hogs_n)
+        try:
+            t = time.perf_counter()
+            results = run_modes(modes, batches, args.timeout)
+            load = os.getloadavg()[0]
+        finally:
+            stop_hogs(hogs)
+        print(f"  {phase}: done in {time.perf_counter() - t:.1f} s, load avg {load:.2f}", flush=True)
+        table.append((phase, load, results))
     print()
-    print("| workers | responses/s | graded/s | ratio | distinct answers/batch | mean batch s | CPU s/batch "
-          "| max batch s | worst-case bound s | max item s | timeouts | accuracy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        print(f"| {r['workers']} | {r['responses_per_s']:.0f} | {r['graded_per_s']:.0f} | "
-              f"{r['responses_per_s'] / base:.2f}x | {r['unique_per_batch']:.0f} | {r['mean_batch_s']:.2f} | {r['cpu_batch_s']:.2f} | {r['max_batch_s']:.2f} | "
-              f"{r['batch_bound_s']:.0f} | {r['max_item_s']:.3f} (bound {args.timeout}) | {r['timeouts']} | "
-              f"{r['accuracy']:.3f} |")
-    print(f"\nload avg after: {os.getloadavg()[0]:.2f}")
-    single = next((r for r in results if r["workers"] == 0), None)
-    if single is not None:
+    print("| phase | workers | responses/s | ratio | distinct answers/batch | mean batch s | CPU s/batch "
+          "| max batch s | max item s (wall) | max item CPU s (limit) | timeouts | of which wall backstop "
+          "| accuracy | load avg |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for phase, load, results in table:
+        base = results[0]["responses_per_s"]
         for r in results:
+            print(f"| {phase} | {r['workers']} | {r['responses_per_s']:.0f} | {r['responses_per_s'] / base:.2f}x | "
+                  f"{r['unique_per_batch']:.0f} | {r['mean_batch_s']:.2f} | {r['cpu_batch_s']:.2f} | "
+                  f"{r['max_batch_s']:.2f} | {r['max_item_s']:.3f} | {r['max_item_cpu_s']:.3f} ({args.timeout}) | "
+                  f"{r['timeouts']} | {r['wall_timeouts']} | {r['accuracy']:.4f} | {load:.1f} |")
+    print(f"\nload avg after: {os.getloadavg()[0]:.2f}")
+    if len(table) == 2:
+        same = all(a["scores"] == b["scores"] for a, b in zip(table[0][2], table[1][2]))
+        print(f"every score identical idle vs saturated: {same}")
+    single = next((r for r in table[0][2] if r["workers"] == 0), None)
+    if single is not None:
+        for r in table[0][2]:
             if r["workers"]:
                 # what the pool would reach with its cores to itself: CPU work per batch, split over the workers
                 ideal = single["cpu_batch_s"] / (r["cpu_batch_s"] / r["workers"])

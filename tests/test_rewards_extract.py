@@ -92,7 +92,7 @@ def test_normalize_reference(answer, expected):
     assert normalize_reference(answer) == expected
 
 
-@pytest.mark.parametrize("bad", [None, True, "", "  \n", [], [""], {"a": 1}, float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [None, True, "", "  \n", [], [""], ["", " "], {"a": 1}, float("nan"), float("inf")])
 def test_normalize_reference_rejects(bad):
     with pytest.raises(ValueError, match="normalize_reference"):
         normalize_reference(bad)
@@ -103,3 +103,66 @@ def test_clean_answer_keeps_exact_numbers():
     assert clean_answer("2.50") == "2.50"
     assert clean_answer("-3.000") == "-3"
     assert clean_answer("2^{1009}") == "2^{1009}"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("11,\\! 111,\\! 111,\\! 100", "11,111,111,100"),
+        ("32,\\!  349", "32,349"),
+        ("1 000", "1000"),
+        ("12 345 678.5", "12345678.5"),
+        ("-2 500", "-2500"),
+        ("(1 000, 2 000)", "(1000, 2000)"),
+        ("1\\ 000~000", "1000000"),
+        # not thousands groups: left alone
+        ("x^2 100", "x^2 100"),
+        ("a_1 000", "a_1 000"),
+        ("\\frac12 500", "\\frac12 500"),
+        ("0 500", "0 500"),
+        ("1 2 3", "1 2 3"),
+        ("100 0", "100 0"),
+        ("1.5 000", "1.5 000"),
+        ("2 dollars", "2"),
+        ("\\frac{1}{2} dollar", "\\frac{1}{2}"),
+        ("dollars", "dollars"),
+        ("185\\", "185"),
+        ("185\\\\", "185"),
+        ("\\{1,2\\}", "\\{1,2\\}"),
+    ],
+)
+def test_clean_answer_separators_units_backslash(text, expected):
+    assert clean_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (["", "42"], ["42"]),
+        (["42", ""], ["42"]),
+        (["", "  \n", "$$", "7"], ["7"]),
+        ([" ", 3.0], ["3"]),
+        (("", "x=1"), ["x=1"]),
+    ],
+)
+def test_normalize_reference_drops_empty_entries(answer, expected):
+    assert normalize_reference(answer) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\\boxed{185\\}", "185"),
+        ("so \\boxed{185\\}.", "185"),
+        ("\\boxed{\\frac{1}{2}\\}", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{42 \\}", "42"),
+        ("\\boxed{x\\} and more text", "x"),
+        # escaped braces that pair up, or a box closed by a real brace, are unchanged
+        ("\\boxed{\\{1,2\\}", None),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{\\}}", "\\}"),
+        ("\\boxed{12", None),
+    ],
+)
+def test_extract_stray_backslash_before_closing_brace(text, expected):
+    assert extract_answer(text) == expected

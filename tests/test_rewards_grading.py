@@ -105,3 +105,130 @@ def test_grade_one_signal_bound():
 def test_grade_one_rejects_bad_reference():
     with pytest.raises(ValueError, match="normalize_reference"):
         grade_one("\\boxed{1}", None)
+
+
+# ---------------------------------------------------------------- grading defects, one class per list
+# Each list: the reported examples first, then variants. (reference, boxed prediction, expected status).
+
+# 1. ``,\!`` thousands separators followed by a space (the MATH dataset writes ``11,\! 111,\! 111,\! 100``).
+NEG_THIN_SPACE_THOUSANDS = [
+    ("11111111100", "11,\\! 111,\\! 111,\\! 100", "correct"),
+    ("32349", "32,\\! 349", "correct"),
+    ("11,\\! 111,\\! 111,\\! 100", "11111111100", "correct"),  # the same form as a reference (MATH500 row 217)
+    ("1000", "1,\\!  000", "correct"),  # two spaces
+    ("-32349", "-32,\\! 349", "correct"),
+    ("32349.5", "32,\\! 349.5", "correct"),
+    ("1000", "\\$1,\\! 000", "correct"),
+    ("1234567", "1,\\! 234,\\!567", "correct"),  # mixed, with and without the space
+    ("11111111101", "11,\\! 111,\\! 111,\\! 100", "wrong"),
+    ("10000", "1,\\! 000", "wrong"),
+    ("\\{1, 2\\}", "1,\\! 2", "correct"),  # not a thousands group: stays a list
+]
+
+# 2. A plain space (or ``\ ``, ``~``) between digit groups as thousands separator.
+SPACE_THOUSANDS = [
+    ("1000", "1 000", "correct"),
+    ("0", "1 000", "wrong"),  # was read as 1*000
+    ("502", "2 500", "wrong"),  # was read as 2+500
+    ("2500", "2 500", "correct"),
+    ("12345678", "12 345 678", "correct"),
+    ("-1000000", "-1 000 000", "correct"),
+    ("1234.5", "1 234.5", "correct"),
+    ("2500", "\\$2 500", "correct"),
+    ("1000", "1\\ 000", "correct"),
+    ("1000", "1~000", "correct"),
+    ("(1000, 2000)", "(1 000, 2 000)", "correct"),
+    ("0", "10 000", "wrong"),
+    ("1", "1 000", "wrong"),
+    ("1000", "100 0", "wrong"),  # not a 3-digit group
+    # genuine products and lists are left alone
+    ("1000", "2 \\cdot 500", "correct"),
+    ("1000", "2 \\times 500", "correct"),
+    ("\\{100, 200\\}", "100, 200", "correct"),
+    ("2\\sqrt{3}", "2 \\sqrt{3}", "correct"),
+    ("100x^2", "x^2 100", "correct"),
+    ("a_{1}\\cdot 100", "a_1 100", "correct"),
+]
+
+# 3. Python / sympy syntax: the whole answer is parsed, never its trailing number alone.
+SYMPY_SYNTAX = [
+    ("Eq(x**2/4 + y**2/3, 1)", "Eq(x**2/16 + y**2/12, 1)", "wrong"),
+    ("1", "Eq(x**2/16 + y**2/12, 1)", "wrong"),
+    ("1", "Eq(x**2 + 7, 1)", "wrong"),
+    ("1", "Eq(2*x + z, 1)", "wrong"),
+    ("1", "Eq(y, x**2 + 1)", "wrong"),  # an assignment is judged by its right-hand side, x**2 + 1
+    ("5", "Eq(x, 5)", "correct"),  # ... as ``x = 5`` is
+    ("Eq(x**2/4 + y**2/3, 1)", "Eq(3*x**2 + 4*y**2, 12)", "correct"),
+    ("\\frac{x^2}{4}+\\frac{y^2}{3}=1", "Eq(x**2/4 + y**2/3, 1)", "correct"),
+    ("Eq(x**2/4 + y**2/3, 1)", "\\frac{x^2}{4}+\\frac{y^2}{3}=1", "correct"),
+    ("Eq(x**2/4 + y**2/3, 1)", "\\frac{x^2}{16}+\\frac{y^2}{12}=1", "wrong"),
+    ("y=x^2+1", "Eq(y, x**2 + 1)", "correct"),
+    ("1", "x**2 + 1", "wrong"),  # was the trailing 1
+    ("x^2+1", "x**2 + 1", "correct"),
+    ("1024", "2**10", "correct"),
+    ("(x+1)^{n-1}", "(x+1)**(n-1)", "correct"),
+    ("7", "f(x**3, 7)", "wrong"),
+    ("x<3", "Lt(x, 3)", "correct"),
+    ("3", "Lt(x, 3)", "wrong"),
+    ("\\frac{\\pi}{2}", "pi/2 + 0*x**2", "correct"),
+]
+
+# 4. Units, references with empty entries, a stray trailing backslash.
+UNITS_EMPTY_BACKSLASH = [
+    ("2", "2 dollars", "correct"),
+    ("5", "5 cents", "correct"),
+    ("12", "12 ft", "correct"),
+    ("5", "5\\text{ dollars}", "correct"),
+    ("2", "\\$2", "correct"),
+    ("1", "1 dollar", "correct"),
+    ("2.5", "2.50 Dollars", "correct"),
+    ("1000", "1 000 dollars", "correct"),
+    ("40", "40 euros", "correct"),
+    ("3", "2 dollars", "wrong"),
+    (["", "42"], "42", "correct"),
+    (["", "42", ""], "41", "wrong"),
+    (["42", "  "], "42", "correct"),
+    ("185", "185\\", "correct"),
+    ("186", "185\\", "wrong"),
+    ("185", "185\\\\", "correct"),
+    ("185", "185 \\", "correct"),
+    ("0.5", "\\frac{1}{2}\\", "correct"),
+]
+
+
+def _mv_alone(gold: str, pred: str) -> bool:
+    """math-verify 0.9.0 on its own, with its default extraction (LaTeX + expressions)."""
+    from math_verify import parse, verify
+
+    return verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}"))
+
+
+@pytest.mark.parametrize("gold, pred, status", NEG_THIN_SPACE_THOUSANDS)
+def test_neg_thin_space_thousands(gold, pred, status):
+    assert grade_one(_box(pred), gold) == (float(status == "correct"), status)
+
+
+def test_neg_thin_space_agrees_with_math_verify():
+    # where math-verify alone is right (the issue's ground truth), the grader agrees with it
+    for gold, pred, status in NEG_THIN_SPACE_THOUSANDS:
+        assert _mv_alone(gold, pred) == (status == "correct"), (gold, pred)
+
+
+@pytest.mark.parametrize("gold, pred, status", SPACE_THOUSANDS)
+def test_space_thousands(gold, pred, status):
+    assert grade_one(_box(pred), gold) == (float(status == "correct"), status)
+
+
+@pytest.mark.parametrize("gold, pred, status", SYMPY_SYNTAX)
+def test_sympy_syntax(gold, pred, status):
+    assert grade_one(_box(pred), gold) == (float(status == "correct"), status)
+
+
+@pytest.mark.parametrize("gold, pred, status", UNITS_EMPTY_BACKSLASH)
+def test_units_empty_references_stray_backslash(gold, pred, status):
+    assert grade_one(_box(pred), gold) == (float(status == "correct"), status)
+
+
+def test_units_agree_with_math_verify():
+    for gold, pred in (("5", "5 cents"), ("12", "12 ft"), ("5", "5\\text{ dollars}"), ("2", "\\$2")):
+        assert _mv_alone(gold, pred)

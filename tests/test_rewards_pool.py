@@ -1,26 +1,42 @@
-"""The worker pool: hard per-item timeout, crash recovery, agreement with single-process grading."""
+"""The worker pool: per-item CPU-time limit and wall-clock backstop, crash recovery, agreement with
+single-process grading, scores independent of machine load."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from laconic_nemo.rewards import MathReward, grade_one
+from laconic_nemo.rewards.math_reward import SOFT_FRACTION
 
 TIMEOUT_S = 2.0
 # Slack for process start-up / IPC on a loaded 2-core machine when checking wall time against the bound.
 SLACK_S = 4.0
+# The stubborn pool: 1 CPU-second per item, wall-clock backstop at 2 s.
+STUB_TIMEOUT_S = 1.0
+STUB_WALL_S = 2.0
 
 
 def stubborn_checker(pred, golds):
-    """Ignores the worker's interval timer (like a computation stuck in C code): only a kill stops it."""
+    """Ignores the worker's soft timer: only a kill stops it. ``stuck`` sleeps (a hung or descheduled worker,
+    no CPU used: the wall-clock backstop ends it), ``spin`` burns CPU (like a computation stuck in C code:
+    the kernel's CPU-time limit ends it)."""
     if pred.startswith("stuck"):
         while True:
             try:
                 time.sleep(60)
+            except BaseException:  # noqa: B036 - deliberately swallow the soft timeout
+                pass
+    if pred.startswith("spin"):
+        while True:
+            try:
+                while True:
+                    pass
             except BaseException:  # noqa: B036 - deliberately swallow the soft timeout
                 pass
     if pred == "crash":
@@ -36,7 +52,8 @@ def _box(ans: str) -> str:
 
 @pytest.fixture(scope="module")
 def stubborn():
-    with MathReward(num_workers=2, timeout_s=TIMEOUT_S, checker=stubborn_checker) as r:
+    with MathReward(num_workers=2, timeout_s=STUB_TIMEOUT_S, wall_timeout_s=STUB_WALL_S,
+                    checker=stubborn_checker) as r:
         r.start()
         yield r
 
@@ -51,8 +68,9 @@ def test_timeout_kills_worker_and_pool_survives(stubborn):
     assert res.statuses == ["correct", "timeout", "correct", "wrong", "no_answer", "correct"]
     assert res.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert res.metrics["timeouts"] == 1 and res.metrics["graded"] == 5 and res.metrics["correct"] == 3
-    assert elapsed < TIMEOUT_S + SLACK_S
-    assert TIMEOUT_S <= res.metrics["max_item_seconds"] < TIMEOUT_S + SLACK_S  # the killed item
+    assert res.metrics["wall_timeouts"] == 1  # a sleeping worker uses no CPU: the backstop ended it
+    assert elapsed < STUB_WALL_S + SLACK_S
+    assert STUB_WALL_S <= res.metrics["max_item_seconds"] < STUB_WALL_S + SLACK_S  # the killed item
     assert stubborn.replaced_workers >= 1
     assert set(stubborn.worker_pids) != pids_before  # the stuck worker was replaced
     # the pool keeps working afterwards
@@ -71,14 +89,30 @@ def test_crash_scores_zero_and_pool_survives(stubborn):
     assert res.metrics["correct"] == 20
 
 
+def test_cpu_limit_ends_spinning_worker():
+    # a computation that swallows the soft timer and keeps burning CPU is ended by the kernel (SIGXCPU) at
+    # timeout_s CPU seconds rounded up to a whole second, long before the (here very large) wall backstop
+    with MathReward(num_workers=1, timeout_s=STUB_TIMEOUT_S, wall_timeout_s=120.0, checker=stubborn_checker) as r:
+        r.start()
+        pid = r.worker_pids[0]
+        start = time.perf_counter()
+        res = r.score([_box("spin"), _box("5")], ["1", "5"])
+        elapsed = time.perf_counter() - start
+        assert r.worker_pids[0] != pid and r.replaced_workers == 1
+    assert res.statuses == ["timeout", "correct"]
+    assert res.metrics["timeouts"] == 1 and res.metrics["wall_timeouts"] == 0
+    assert res.metrics["max_item_cpu_seconds"] == STUB_TIMEOUT_S
+    assert elapsed < 60.0  # CPU-bound: ~2 s on an idle core, far below the 120 s backstop
+
+
 def test_many_stuck_items_each_bounded(stubborn):
-    # 4 different stuck items on 2 workers: two rounds of kills, the batch ends within ~2 timeouts.
+    # 4 different stuck items on 2 workers: two rounds of kills, the batch ends within ~2 backstops.
     responses = [_box(f"stuck{k}") for k in range(4)] + [_box("7")] * 10
     start = time.perf_counter()
     res = stubborn.score(responses, ["7"] * 14)
     elapsed = time.perf_counter() - start
     assert res.statuses == ["timeout"] * 4 + ["correct"] * 10
-    assert elapsed < 2 * TIMEOUT_S + SLACK_S
+    assert elapsed < 2 * STUB_WALL_S + SLACK_S
     assert res.metrics["timeouts"] == 4 and res.metrics["unique_graded"] == 5
 
 
@@ -90,7 +124,8 @@ def test_identical_answers_graded_once(stubborn):
     elapsed = time.perf_counter() - start
     assert res.statuses == ["timeout"] * 16 + ["correct"] * 16
     assert res.metrics["timeouts"] == 16 and res.metrics["graded"] == 32 and res.metrics["unique_graded"] == 2
-    assert elapsed < TIMEOUT_S + SLACK_S
+    assert res.metrics["wall_timeouts"] == 16
+    assert elapsed < STUB_WALL_S + SLACK_S
 
 
 @pytest.mark.parametrize(
@@ -157,6 +192,8 @@ def test_format_weight_and_metrics():
         ({"num_workers": -1}, "num_workers"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"timeout_s": 2.0, "wall_timeout_s": 1.0}, "wall_timeout_s"),
+        ({"wall_timeout_s": float("nan")}, "wall_timeout_s"),
         ({"format_weight": 1.5}, "format_weight"),
         ({"start_method": "fork"}, "start_method"),
     ],
@@ -180,3 +217,43 @@ def test_spawn_start_method():
     with MathReward(num_workers=1, start_method="spawn") as reward:
         res = reward.score([_box("\\dfrac{3}{4}")], ["0.75"])
     assert res.statuses == ["correct"]
+
+
+def _heavy_item() -> tuple[str, str]:
+    """A valid answer whose check costs ~0.35 CPU-second in a fresh worker (sympy expands and compares a
+    degree-40 polynomial): ``(x+1)^{40}`` against its expansion."""
+    import sympy
+
+    x = sympy.Symbol("x")
+    return _box("(x+1)^{40}"), sympy.latex(sympy.expand((x + 1) ** 40))
+
+
+def test_cpu_heavy_answer_scores_the_same_idle_and_saturated():
+    """The score of an item that needs ~0.35 CPU-s within a 1 CPU-s limit must not depend on machine load.
+    With 3 busy processes per core the item takes several times longer on the wall clock (a wall-clock limit
+    would score it 0), but the same CPU time."""
+    response, gold = _heavy_item()
+    timeout_s = 1.0
+    # two pools started before the load (fresh workers: no warm sympy caches in the second one)
+    with MathReward(num_workers=1, timeout_s=timeout_s) as idle_pool, \
+            MathReward(num_workers=1, timeout_s=timeout_s) as loaded_pool:
+        idle_pool.start()
+        loaded_pool.start()
+        idle = idle_pool.score([response], [gold])
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * cores)]
+        try:
+            time.sleep(0.2)
+            loaded = loaded_pool.score([response], [gold])
+        finally:
+            for hog in hogs:
+                hog.kill()
+            for hog in hogs:
+                hog.wait()
+    assert idle.statuses == loaded.statuses == ["correct"]
+    assert idle.scores == loaded.scores == [1.0]
+    assert idle.metrics["timeouts"] == loaded.metrics["timeouts"] == 0
+    # the load was real: the item's wall time exceeded the soft bound a wall-clock timer would have used,
+    # while its CPU time stayed well inside the limit
+    assert loaded.metrics["max_item_seconds"] > SOFT_FRACTION * timeout_s
+    assert loaded.metrics["max_item_cpu_seconds"] < SOFT_FRACTION * timeout_s

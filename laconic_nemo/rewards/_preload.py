@@ -16,6 +16,7 @@ _WARMUP = (
     ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "(1,2)"),
     ("10\\%", "0.1"),
     ("8.7\\times10^8", "870000000"),
+    ("Eq(x**2 + y**2, 1)", "x^2+y^2=1"),
 )
 for _pred, _gold in _WARMUP:
     answers_equivalent(_pred, (_gold,))

@@ -49,7 +49,9 @@ def extract_answer(text: str) -> str | None:
     Only the text after ``</think>`` counts when that tag is present. Nested braces are balanced
     (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``), escaped braces ``\\{``/``\\}`` do not count.
     The last box decides: if it is not closed (a response truncated inside ``\\boxed{12``) there is no
-    answer, even when an earlier box is complete. Returns None when there is no complete, non-empty box.
+    answer, even when an earlier box is complete. A box that is closed only by an escaped brace with no
+    ``\\{`` to match (a stray backslash: ``\\boxed{185\\}``) ends there: its content is ``185``.
+    Returns None when there is no complete, non-empty box.
     """
     if not isinstance(text, str):
         raise TypeError(f"extract_answer: text must be str, got {type(text).__name__}")
@@ -69,6 +71,8 @@ def extract_answer(text: str) -> str | None:
         content = m.group(0).rstrip(".,;:")
         return content or None
     depth = 0
+    escaped_depth = 0  # open ``\{`` not yet closed by a ``\}``
+    stray_close = -1  # first ``\}`` at the box's own level with no ``\{`` to close
     for tok in _BRACE_TOKEN.finditer(region, pos):
         t = tok.group(0)
         if t == "{":
@@ -78,6 +82,17 @@ def extract_answer(text: str) -> str | None:
             if depth == 0:
                 content = region[pos + 1 : tok.start()].strip()
                 return content or None
+        elif t == "\\{":
+            escaped_depth += 1
+        elif t == "\\}":
+            if escaped_depth:
+                escaped_depth -= 1
+            elif depth == 1 and stray_close < 0:
+                stray_close = tok.start()
+    if stray_close >= 0:
+        # ``\boxed{185\}``: a stray backslash before the closing brace; the brace closes the box.
+        content = region[pos + 1 : stray_close].strip()
+        return content or None
     return None  # unbalanced: truncated inside the box
 
 

@@ -141,6 +141,10 @@ def validate_config(cfg: DictConfig) -> None:
     if g.clip_eps_high is not None:
         _require(float(g.clip_eps_high) >= float(g.clip_eps), "grpo.clip_eps_high", ">= grpo.clip_eps or null",
                  g.clip_eps_high)
+    if g.clip_dual is not None:
+        _require(float(g.clip_dual) > 1, "grpo.clip_dual", "> 1 or null", g.clip_dual)
+    _require(g.advantage_std in ("unbiased", "population"), "grpo.advantage_std", "unbiased or population",
+             g.advantage_std)
     _require(float(g.kl_beta) >= 0, "grpo.kl_beta", ">= 0", g.kl_beta)
     _require(g.loss_aggregation in ("seq_mean_token_mean", "token_mean"), "grpo.loss_aggregation",
              "seq_mean_token_mean or token_mean", g.loss_aggregation)
@@ -155,6 +159,13 @@ def validate_config(cfg: DictConfig) -> None:
     _require(float(lc.floor) >= 0, "laconic.floor", ">= 0", lc.floor)
     if lc.ceiling is not None:
         _require(float(lc.ceiling) >= float(lc.floor), "laconic.ceiling", ">= laconic.floor or null", lc.ceiling)
+    _require(float(lc.lambda_init) >= 0, "laconic.lambda_init",
+             ">= 0 (below laconic.floor is allowed: the first dual step clips it)", lc.lambda_init)
+    if lc.shaper in ("laconic", "linear"):
+        ceil = float(lc.ceiling) if lc.ceiling is not None else (budget / (lmax - budget) if lmax > budget else math.inf)
+        _require(float(lc.lambda_init) <= ceil, "laconic.lambda_init", f"<= the ceiling Lambda = {ceil:g}",
+                 lc.lambda_init)
+    _require(isinstance(lc.count_eos, bool), "laconic.count_eos", "true or false", lc.count_eos)
     _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
     _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)
     _require(ro.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", ro.engine)
@@ -167,6 +178,7 @@ def validate_config(cfg: DictConfig) -> None:
     _require(cfg.reward.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", cfg.reward.kind)
     _require(float(cfg.reward.timeout_s) > 0, "reward.timeout_s", "> 0 seconds", cfg.reward.timeout_s)
     _require(0 <= float(cfg.reward.format_weight) < 1, "reward.format_weight", "in [0, 1)", cfg.reward.format_weight)
+    _require(cfg.reward.format in ("boxed", "think_boxed"), "reward.format", "boxed or think_boxed", cfg.reward.format)
     _require(int(cfg.checkpoint.every_n_steps) >= 0, "checkpoint.every_n_steps", ">= 0 (0: only at the end)",
              cfg.checkpoint.every_n_steps)
     _require(int(cfg.checkpoint.keep_last) >= 1, "checkpoint.keep_last", "an integer >= 1",

@@ -281,16 +281,40 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from laconic_nemo.grpo.build import build_step_one
+
     try:
         cfg = load_config(args.recipe, args.overrides)
         plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
                            check_paths=not args.skip_path_checks)
-    except (ConfigError, FileNotFoundError) as exc:
+        # what the trainer builds before step 1 without a GPU: shaper + lambda controller, advantages, loss,
+        # reward, and (paths permitting) tokenizer and one rendered prompt
+        built = build_step_one(cfg, hf_model=args.hf_model)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"laconic-nemo plan: {exc}", file=sys.stderr)
         return 2
+    plan.warnings += built.warnings
     cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), args.container, args.mounts, args.hf_model)
     if args.json:
-        print(json.dumps({**asdict(plan), "commands": cmds}, indent=1))
+        print(json.dumps({**asdict(plan), "build": asdict(built), "commands": cmds}, indent=1))
     else:
         print(format_plan(plan, cmds))
+        print(format_build(built))
     return 0
+
+
+def format_build(b) -> str:
+    """The build section of the plan printout (see :class:`laconic_nemo.grpo.build.StepOneBuild`)."""
+    dual = "no dual step" if b.dual is None else ", ".join(f"{k} {v}" for k, v in b.dual.items())
+    lines = [
+        "built (CPU, as before step 1):",
+        f"  shaper         {b.shaper}, lambda_init {b.lambda_init:g}, {dual}, count_eos {b.count_eos}",
+        f"  advantages     {', '.join(f'{k} {v}' for k, v in b.advantages.items())}",
+        f"  loss           {', '.join(f'{k} {v}' for k, v in b.loss.items())}",
+        f"  reward         {b.reward}",
+        f"  template       {b.prompt_template}",
+        f"  tokenizer      {b.tokenizer or '(path not here: not loaded)'}",
+    ]
+    if b.prompt_preview is not None:
+        lines.append(f"  first prompt   {b.prompt_preview!r}")
+    return "\n".join(lines)

@@ -212,7 +212,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
 
     from laconic_nemo.actors.nemo_aligner import NemoAlignerActor, actor_model_class
     from laconic_nemo.data.datasets import load_math_prompts
-    from laconic_nemo.rewards import MathReward
+    from laconic_nemo.rewards.format import build_reward_fn
 
     cls = actor_model_class()  # stubs TRT-LLM when absent, before the nemo_aligner imports below
     from nemo_aligner.utils.train_script_utils import (
@@ -258,12 +258,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     pad_id = tok.pad_id if getattr(tok, "pad_id", None) is not None and tok.pad_id >= 0 else tok.eos_id
     actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume)
 
-    grader = MathReward(num_workers=int(cfg.reward.num_workers), timeout_s=float(cfg.reward.timeout_s),
-                        format_weight=float(cfg.reward.format_weight))
-
-    def reward_fn(texts, answers):
-        res = grader.score(texts, answers)
-        return res.scores, res.metrics
+    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
 
     trainer = _nemo_trainer_class()(cfg, actor, tok.text_to_ids, lambda ids: tok.ids_to_text(list(ids)),
                                     [(i.prompt, i.answer) for i in items], reward_fn, tok.eos_id)

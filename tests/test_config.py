@@ -27,6 +27,12 @@ def test_tiny_recipe_composes_with_base_and_overrides():
         ("laconic.shaper=foo", "laconic.shaper"),
         ("rollout.top_p=1.5", "rollout.top_p"),
         ("laconic.ceiling=-1", "laconic.ceiling"),
+        ("laconic.lambda_init=1.5", "laconic.lambda_init"),   # above the ceiling 1.0
+        ("laconic.lambda_init=-0.1", "laconic.lambda_init"),
+        ("grpo.clip_dual=1.0", "grpo.clip_dual"),
+        ("grpo.advantage_std=sample", "grpo.advantage_std"),
+        ("laconic.count_eos=maybe", "laconic.count_eos"),
+        ("reward.format=xml", "reward.format"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -43,3 +49,9 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
     (tmp_path / "c.yaml").write_text("defaults: [c]\n")
     with pytest.raises(ConfigError, match="cycle"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_lambda_init_below_floor_is_valid():
+    """The authors' scripts: lambda_len_init 0 with lambda_floor 1e-5 (clipped by the first dual step)."""
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", ["laconic.floor=1e-5", "laconic.lambda_init=0.0"])
+    assert (cfg.laconic.floor, cfg.laconic.lambda_init) == (1e-5, 0.0)

@@ -115,3 +115,35 @@ def test_integer_input_and_empty():
 def test_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(**kwargs)
+
+
+@pytest.mark.parametrize("G", [2, 4, 6])
+def test_unbiased_std_matches_float64_reference_and_torch_std(G):
+    """grpo.advantage_std = unbiased: (l - mean) / (std_{G-1} + eps), as EasyR1's compute_grpo_outcome_advantage
+    (torch.std, unbiased); checked against a float64 re-implementation and torch.std itself."""
+    rng = random.Random(G)
+    vals = [rng.choice([0.0, 0.9, 1.0, 0.1]) - rng.uniform(0, 0.4) * rng.random() for _ in range(8 * G)]
+    vals[:G] = [0.5] * G  # one group without spread
+    eps = 1e-6
+    ref = []
+    for g in range(8):
+        grp = vals[g * G:(g + 1) * G]
+        mean = math.fsum(grp) / G
+        s = math.sqrt(math.fsum((v - mean) ** 2 for v in grp) / (G - 1))
+        ref += [0.0] * G if max(grp) == min(grp) else [(v - mean) / (s + eps) for v in grp]
+    r = torch.tensor(vals, dtype=torch.float64)
+    a = group_advantages(r, G, eps=eps, std="unbiased")
+    assert a.tolist() == pytest.approx(ref, rel=1e-12, abs=1e-12)
+    grouped = r.view(-1, G)
+    easyr1 = (grouped - grouped.mean(1, keepdim=True)) / (torch.std(grouped, dim=1, keepdim=True) + eps)
+    assert torch.allclose(a.view(-1, G)[1:], easyr1[1:], rtol=1e-12, atol=1e-12)
+    pop = group_advantages(r, G, eps=0.0, std="population")
+    unb = group_advantages(r, G, eps=0.0, std="unbiased")
+    assert torch.allclose(pop, unb * math.sqrt(G / (G - 1)), rtol=1e-12, atol=1e-12)
+
+
+def test_advantage_std_rejects_unknown_and_g1():
+    with pytest.raises(ValueError, match="advantage_std"):
+        group_advantages(torch.zeros(4), 2, std="sample")
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        group_advantages(torch.zeros(4), 1, std="unbiased")

@@ -108,3 +108,24 @@ def test_core_imports_no_megatron_nemo_vllm():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cost_lengths_count_eos_follows_easyr1_response_mask():
+    """count_eos: L = the sum of EasyR1's response mask (get_response_mask keeps the first EOS), and the hit flag
+    is L == L_max; paper form: L without EOS and the engine's truncation flags."""
+    from laconic_nemo.core import cost_lengths
+
+    lmax = 8
+    # responses as token lists (2 = EOS); the engine's lengths exclude EOS, truncated = no EOS within L_max
+    responses = [[5, 6, 2], [5] * 7 + [2], [5] * 8, [2]]
+    lengths = torch.tensor([sum(1 for t in r if t != 2) for r in responses])
+    truncated = torch.tensor([2 not in r for r in responses])
+    padded = torch.tensor([r + [0] * (lmax - len(r)) for r in responses])
+    is_eos = padded.eq(2).long()
+    easyr1_mask = torch.logical_not((torch.cumsum(is_eos, dim=1) - is_eos).bool()).long()
+    easyr1_mask = easyr1_mask * (torch.arange(lmax) < torch.tensor([len(r) for r in responses])[:, None])
+    L, trunc = cost_lengths(lengths, truncated, count_eos=True)
+    assert L.tolist() == easyr1_mask.sum(1).tolist() == [3, 8, 8, 1]
+    assert trunc is None  # the shaper then takes L >= L_max: the EOS-at-L_max response is a hit too
+    L0, trunc0 = cost_lengths(lengths, truncated, count_eos=False)
+    assert L0.tolist() == [2, 7, 8, 0] and trunc0.tolist() == [False, False, True, False]

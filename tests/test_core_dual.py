@@ -181,7 +181,7 @@ def test_load_missing_key():
     (dict(budget=1000, eta=0.1, floor=-1e-3), "floor"),
     (dict(budget=1000, eta=0.1, floor=0.2, ceiling=0.1, init=0.15), "ceiling must be >= floor"),
     (dict(budget=1000, eta=0.1, ceiling=0.1, init=0.5), "init"),
-    (dict(budget=1000, eta=0.1, floor=1e-5, init=0.0), "init"),
+    (dict(budget=1000, eta=0.1, floor=1e-5, init=-1e-6), "init"),
     (dict(budget=1000, eta=0.1, ceiling=math.inf), "ceiling"),
 ])
 def test_invalid_settings(kwargs, key):
@@ -233,3 +233,19 @@ def test_ranks_agree_bit_for_bit_after_all_reduce():
         assert p.exitcode == 0
     assert results[0] == results[1]
     assert len(set(results[0])) > 1  # lambda actually moved
+
+
+def test_init_below_floor_is_used_then_clipped_by_the_first_step():
+    """The authors' scripts start at lambda_len_init = 0 with lambda_floor = 1e-5: the initial lambda is kept
+    unclipped (it prices the first step) and the first dual step clips into [floor, ceiling]."""
+    d = DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0)
+    assert d.value == 0.0
+    assert d.update(1000.0) == 1e-5            # 0 + 0.002 * (0.5 - 1) < floor -> floor
+    e = DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0)
+    assert e.update(3000.0) == 0.0 + 0.002 * (3000.0 / 2000.0 - 1.0)
+    # a state saved before the first update round-trips; after an update it must be inside [floor, ceiling]
+    f = DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0)
+    f.load_state_dict(DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0).state_dict())
+    assert f.value == 0.0
+    with pytest.raises(ValueError, match="outside"):
+        f.load_state_dict({**f.state_dict(), "num_updates": 3})

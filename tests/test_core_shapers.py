@@ -262,7 +262,7 @@ def test_bad_inputs():
     ({"floor": -1.0}, "floor"),
     ({"floor": 0.2, "ceiling": 0.1}, "ceiling"),
     ({"lambda_init": 0.9}, "lambda_init"),
-    ({"floor": 1e-5}, "lambda_init"),  # authors' floor needs lambda_init >= floor
+    ({"lambda_init": -1e-6}, "lambda_init"),
     ({"penalty_cap": 0.0}, "penalty_cap"),
     ({"hit_cap": -0.1}, "hit_cap"),
     ({"budget": 5000}, "max_length"),  # default ceiling needs L_max > B
@@ -309,3 +309,15 @@ def test_omegaconf_section_and_authors_settings():
                                         "lambda_init": 1e-5, "ceiling": 0.1, "penalty_cap": 0.4, "hit_cap": 0.1}})
     s = shaper_from_config(cfg.laconic, max_length=4096)
     assert s.dual.ceiling == 0.1 and s.dual.floor == 1e-5 and s.penalty_cap == 0.4 and s.hit_cap == 0.1
+
+
+def test_lambda_init_below_floor_accepted_first_step_unpenalised():
+    """laconic.lambda_init = 0 with laconic.floor = 1e-5 (the authors' DeepScaleR script) builds; the first step
+    is shaped with lambda = 0 (no length penalty, only the hit penalty), the first dual step clips to the floor."""
+    s = shaper_from_config({**BASE_CFG, "floor": 1e-5, "lambda_init": 0.0, "ceiling": 0.1, "penalty_cap": 0.4,
+                            "hit_cap": 0.1}, max_length=LMAX)
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    L = torch.tensor([100, 3000, LMAX, 1500])
+    shaped, _ = s.shape(r, L, None, 2)
+    assert shaped.tolist() == pytest.approx([1.0, 0.0, 0.9, 0.0], abs=1e-7)
+    assert s.dual_update(100.0) == 1e-5

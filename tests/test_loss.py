@@ -181,3 +181,68 @@ def test_off_mask_garbage_stays_finite():
     per_token, _ = grpo_token_loss(logp, old, torch.ones(1), torch.tensor([[1.0, 0.0]]))
     per_token.sum().backward()
     assert torch.isfinite(per_token).all() and torch.isfinite(logp.grad).all()
+
+
+def _easyr1_dual_clip_token(lp, old, a, low, high, dual):
+    """EasyR1 v0.3.2.dev0 verl/trainer/core_algos.py::compute_policy_loss for one token, in Python floats."""
+    nkl = lp - old
+    ratio = math.exp(nkl)
+    clipped_ratio = math.exp(min(max(nkl, math.log(1.0 - low)), math.log(1.0 + high)))
+    pg1, pg2, pg3 = -a * ratio, -a * clipped_ratio, -a * dual
+    higher = max(pg1, pg2)
+    return min(higher, pg3) if a < 0 else higher
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_dual_clip_matches_easyr1_float64_reference_and_gradient(aggregation):
+    """clip 0.2 / clip-high 0.3 / dual-clip 3.0 (EasyR1's defaults) against a float64 transcription of EasyR1's
+    compute_policy_loss; ratios up to e^2 so that the dual bound C |A| is active for some A < 0 tokens."""
+    n, tm1 = 6, 9
+    g = torch.Generator().manual_seed(11)
+    logp = -torch.rand(n, tm1, generator=g, dtype=torch.float64) * 3
+    old = logp - 2.0 * torch.rand(n, tm1, generator=g, dtype=torch.float64) + 0.3
+    adv = torch.tensor([-1.3, 0.7, -0.4, 1.1, -2.0, 0.0], dtype=torch.float64)
+    mask = torch.ones(n, tm1, dtype=torch.float64)
+    mask[2, 6:] = 0
+    mask[5, :4] = 0
+    old = torch.where(mask > 0, old, torch.zeros_like(old))
+    n_tok, n_seq = float(mask.sum()), float(n)
+    fn = make_grpo_loss_fn(0.2, 0.3, 0.0, aggregation, n_tok, n_seq, clip_dual=3.0)
+    batch = TrainBatch(torch.zeros(n, tm1 + 1, dtype=torch.long), torch.ones(n, dtype=torch.long),
+                       torch.ones(n, dtype=torch.long), mask, adv, old, None)
+
+    def reference(lp_rows):
+        rows = []
+        for i in range(n):
+            vals = [_easyr1_dual_clip_token(lp_rows[i][t], float(old[i, t]), float(adv[i]), 0.2, 0.3, 3.0)
+                    for t in range(tm1) if mask[i, t] > 0]
+            rows.append((math.fsum(vals), len(vals)))
+        if aggregation == "token_mean":
+            return math.fsum(s for s, _ in rows) / n_tok
+        return math.fsum(s / max(c, 1) for s, c in rows) / n_seq
+
+    x = logp.clone().requires_grad_(True)
+    loss, _ = fn(x, batch)
+    assert float(loss.detach()) == pytest.approx(reference(logp.tolist()), rel=1e-12, abs=1e-14)
+    _, parts = grpo_token_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.3, clip_dual=3.0)
+    assert parts["dual_clipped"].sum() > 0, "the case must exercise the dual bound"
+    no_dual, _ = grpo_token_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.3)
+    with_dual, _ = grpo_token_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.3, clip_dual=3.0)
+    assert (with_dual < no_dual).any() and (with_dual <= no_dual).all()
+    loss.backward()
+    h = 1e-6
+    for i in range(n):
+        for t in range(tm1):
+            lp = logp.clone()
+            lp[i, t] += h
+            up = reference(lp.tolist())
+            lp[i, t] -= 2 * h
+            dn = reference(lp.tolist())
+            assert float(x.grad[i, t]) == pytest.approx((up - dn) / (2 * h), rel=1e-5, abs=1e-9)
+    assert torch.all(x.grad[parts["dual_clipped"] > 0] == 0)
+
+
+def test_dual_clip_must_exceed_one():
+    logp, old, ref, adv, mask = _random_case(1)
+    with pytest.raises(ValueError, match="clip_dual"):
+        grpo_token_loss(logp, old, adv, mask, clip_dual=1.0)

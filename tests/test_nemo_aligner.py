@@ -78,9 +78,9 @@ def test_nemo_config_from_recipe():
     cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
     n = build_nemo_config(cfg, 2, 8, ["model.reinforce.rollout_micro_batch_size=16"])
     assert (n.trainer.num_nodes, n.trainer.devices, n.trainer.precision) == (2, 8, "bf16")
-    assert n.model.global_batch_size == 256 and n.model.micro_batch_size == 4
+    assert n.model.global_batch_size == 192 and n.model.micro_batch_size == 4
     assert n.model.reinforce.length_params.max_length == 4096
-    assert n.model.reinforce.sampling_params.temperature == 0.6
+    assert n.model.reinforce.sampling_params.temperature == 1.0
     assert n.model.reinforce.rollout_micro_batch_size == 16  # nemo.* override applied
     assert n.model.optim.sched.min_lr == n.model.optim.lr == 1e-6
     assert n.pretrained_checkpoint.restore_from_path == "/checkpoints/deepseek-r1-distill-qwen-1.5b.nemo"

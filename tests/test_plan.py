@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,29 +17,18 @@ DEEPSEEK = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
 QWEN3 = str(ROOT / "recipes" / "qwen3_8b_b1000.yaml")
 
 
-def test_layout_numbers_deepseek_two_nodes():
-    p = plan_layout(load_config(DEEPSEEK), 2, 8, check_paths=False)
-    # 16 GPUs, TP=PP=1 -> DP 16; 128 prompts x 4 = 512 responses; 32 per rank (8 whole groups)
-    assert (p.world_size, p.tp, p.pp, p.dp) == (16, 1, 1, 16)
-    assert (p.rollout_batch, p.prompts_per_rank, p.samples_per_rank) == (512, 8, 32)
-    # minibatch 256 -> 2 optimiser steps; 256 / (16 ranks x 4) = 4 micro-batches per step per rank
-    assert (p.steps_per_rollout, p.micro_batches_per_step) == (2, 4)
-    assert p.max_generated_tokens_per_step == 512 * 4096 and p.budget_tokens_per_step == 512 * 1500
-    assert p.actor == "nemo_aligner"
-
-
 def test_layout_numbers_qwen3_four_nodes():
     p = plan_layout(load_config(QWEN3), 4, 8, check_paths=False)
     assert (p.tp, p.pp, p.dp) == (4, 2, 4)
-    assert (p.samples_per_rank, p.micro_batches_per_step) == (128, 64)
+    assert (p.samples_per_rank, p.micro_batches_per_step) == (128, 32)
     assert p.actor == "megatron_core"
 
 
 def test_scaling_by_nodes_keeps_the_global_batch():
     cfg = load_config(DEEPSEEK)
-    one, four = plan_layout(cfg, 1, 8, check_paths=False), plan_layout(cfg, 4, 8, check_paths=False)
-    assert one.rollout_batch == four.rollout_batch
-    assert one.samples_per_rank == 4 * four.samples_per_rank
+    one, two = plan_layout(cfg, 1, 8, check_paths=False), plan_layout(cfg, 2, 8, check_paths=False)
+    assert one.rollout_batch == two.rollout_batch
+    assert one.samples_per_rank == 2 * two.samples_per_rank
 
 
 @pytest.mark.parametrize("recipe,nodes,overrides,key", [
@@ -118,3 +108,77 @@ def test_cli_json_and_commands(capsys):
 
 def test_config_error_is_layout_error_base():
     assert issubclass(LayoutError, ConfigError)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# `plan` builds what the trainer builds before step 1 (laconic_nemo.grpo.build.build_step_one), for every recipe
+# --------------------------------------------------------------------------------------------------------------
+ALL_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base")
+
+
+def _layout_for(recipe: Path) -> tuple[int, int]:
+    """(nodes, GPUs per node): the launch script's node count; tiny CPU recipes: one node of TP x PP ranks."""
+    for script in (ROOT / "launch").glob("*.sh"):
+        text = script.read_text()
+        if f"RECIPE=recipes/{recipe.name}\n" in text:
+            return int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1)), 8
+    cfg = load_config(recipe)
+    return 1, int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_passes_plan_and_builds_step_one(recipe, capsys):
+    nodes, gpus = _layout_for(recipe)
+    rc = main(["plan", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--skip-path-checks",
+               "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    built = json.loads(out.out)["build"]
+    lc = load_config(recipe).laconic
+    assert built["lambda_init"] == (0.0 if lc.shaper not in ("laconic", "linear", "fixed") else float(lc.lambda_init))
+    if lc.shaper in ("laconic", "linear"):
+        assert built["dual"]["floor"] == float(lc.floor) and built["dual"]["eta"] == float(lc.eta)
+
+
+def test_plan_reports_constructor_failures_before_launch(capsys):
+    """A failure of a step-one constructor that config validation does not see exits 2 with the key named."""
+    rc = main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", "laconic.shaper=l1_exact"])
+    assert rc == 2
+    assert "data.target_length_range" in capsys.readouterr().err
+
+
+def test_deepseek_authors_run_g6_layout():
+    """The authors' DeepSeek run: G = 6, 128 x 6 = 768 responses, 48 per rank (8 whole groups) on DP 16, 4
+    optimiser steps of 32 prompts x 6 = 192 responses, 3 micro-batches of 4 per rank per step."""
+    p = plan_layout(load_config(DEEPSEEK), 2, 8, check_paths=False)
+    assert (p.world_size, p.tp, p.pp, p.dp) == (16, 1, 1, 16)
+    assert (p.group_size, p.rollout_batch, p.prompts_per_rank, p.samples_per_rank) == (6, 768, 8, 48)
+    assert (p.minibatch_size, p.steps_per_rollout, p.micro_batches_per_step) == (192, 4, 3)
+    assert p.max_generated_tokens_per_step == 768 * 4096 and p.budget_tokens_per_step == 768 * 1500
+    assert p.actor == "nemo_aligner"
+    # G = 6 with a minibatch that splits groups over DP x micro-batches is rejected with the key named
+    with pytest.raises(LayoutError, match="grpo.micro_batch_size"):
+        plan_layout(load_config(DEEPSEEK, ["grpo.micro_batch_size=5"]), 2, 8, check_paths=False)
+
+
+def test_plan_loads_tokenizer_and_renders_first_row(tmp_path, capsys):
+    """With the paths present, `plan` loads the tokenizer, renders row 0 through the template and warns when the
+    template is not the checkpoint's own chat template for the same turn."""
+    from tests.hf_fixtures import char_tokenizer
+
+    hf = tmp_path / "hf"
+    tok = char_tokenizer()
+    tok.save_pretrained(str(hf))
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                "num_hidden_layers": 36, "max_position_embeddings": 40960}))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "  What is 2+3?\n", "answer": "5"}) + "\n")
+    rc = main(["plan", QWEN3, "--nodes", "4", "--json", f"model.path={hf}", f"data.train_files=[{data}]"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    res = json.loads(out.out)
+    preview = res["build"]["prompt_preview"]
+    assert preview.startswith("<|im_start|>user\nWhat is 2+3? You FIRST think about the reasoning process")
+    assert preview.endswith(f"[{len(preview.split('   [')[0])} tokens]")  # char tokenizer: one id per char
+    assert f"from {hf} ({len(tok)} tokens, eos '<eos>')" in res["build"]["tokenizer"]
+    assert any("data.prompt_template = qwen3_easyr1_math differs" in w for w in res["warnings"])

@@ -40,29 +40,52 @@ def test_every_paper_run_has_a_recipe():
         assert name in stems, name
 
 
-# (recipe, B, steps, L_max, shaper): DESIGN.md section 1 (Qwen2.5-Math: L_max limited by its 4096 context)
+# (recipe, B, steps, L_max, shaper, G): DESIGN.md section 1 and the authors' scripts (docs/recipes.md)
 PAPER = [
-    ("deepscaler_1.5b_b2000", 2000, 300, 4096, "laconic"),
-    ("deepseek_1.5b_b1500", 1500, 500, 4096, "laconic"),
-    ("qwen3_8b_b1000", 1000, 150, 4096, "laconic"),
-    ("qwen_math_1.5b_b550", 550, 350, 3072, "laconic"),
-    ("qwen_math_1.5b_b550_linear", 550, 350, 3072, "linear"),
+    ("deepscaler_1.5b_b2000", 2000, 300, 4096, "laconic", 4),
+    ("deepseek_1.5b_b1500", 1500, 500, 4096, "laconic", 6),
+    ("deepseek_1.5b_b1500_paper", 1500, 500, 4096, "laconic", 6),
+    ("qwen3_8b_b1000", 1000, 150, 4096, "laconic", 4),
+    ("qwen_math_1.5b_b550", 550, 350, 2048, "laconic", 3),
+    ("qwen_math_1.5b_b550_linear", 550, 350, 2048, "linear", 3),
 ]
 
 
-@pytest.mark.parametrize("name,budget,steps,lmax,shaper", PAPER)
-def test_paper_numbers(name, budget, steps, lmax, shaper):
+@pytest.mark.parametrize("name,budget,steps,lmax,shaper,G", PAPER)
+def test_paper_numbers(name, budget, steps, lmax, shaper, G):
     cfg = load_config(ROOT / "recipes" / f"{name}.yaml")
     assert float(cfg.laconic.budget) == budget
     assert int(cfg.run.num_steps) == steps
     assert int(cfg.rollout.max_new_tokens) == lmax
     assert cfg.laconic.shaper == shaper
-    assert int(cfg.grpo.group_size) == 4 and int(cfg.grpo.num_prompts_per_step) == 128
+    assert int(cfg.grpo.group_size) == G and int(cfg.grpo.num_prompts_per_step) == 128
+    # EasyR1 v0.3.2.dev0 settings the authors inherit: global_batch_size 32 prompts x n -> 4 updates per rollout,
+    # clip 0.2 / 0.3 + dual-clip 3.0, low-var KL 1e-2, token-mean, temperature 1.0, unbiased group std
+    g = cfg.grpo
+    assert int(g.minibatch_size) == 32 * G
+    assert (g.clip_eps, g.clip_eps_high, g.clip_dual, g.kl_beta) == (0.2, 0.3, 3.0, 0.01)
+    assert (g.loss_aggregation, g.advantage_std, cfg.rollout.temperature) == ("token_mean", "unbiased", 1.0)
 
 
-def test_authors_script_knobs_in_deepscaler_recipe():
-    lc = load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml").laconic
-    assert (lc.eta, lc.floor, lc.ceiling, lc.penalty_cap, lc.hit_cap) == (0.002, 1e-5, 0.1, 0.4, 0.1)
+# (recipe, eta, floor, ceiling, penalty_cap, hit_cap, count_eos, format_weight, format): the authors' scripts;
+# the paper form of the DeepSeek run for comparison
+KNOBS = [
+    ("deepscaler_1.5b_b2000", 0.002, 1e-5, 0.1, 0.4, 0.1, True, 0.1, "think_boxed"),
+    ("deepseek_1.5b_b1500", 0.002, 0.0, 0.1, 0.4, 0.1, True, 0.1, "think_boxed"),
+    ("qwen3_8b_b1000", 0.002, 0.0, 1.0, 0.4, 0.1, True, 0.1, "think_boxed"),
+    ("qwen_math_1.5b_b550", 0.01, 0.0, 10.0, 0.4, 0.1, True, 0.1, "think_boxed"),
+    ("deepseek_1.5b_b1500_paper", 0.002, 0.0, None, None, 0.0, False, 0.0, "boxed"),
+]
+
+
+@pytest.mark.parametrize("name,eta,floor,ceiling,cap,hit,count_eos,fw,fmt", KNOBS)
+def test_laconic_knobs_as_the_authors_scripts(name, eta, floor, ceiling, cap, hit, count_eos, fw, fmt):
+    cfg = load_config(ROOT / "recipes" / f"{name}.yaml")
+    lc = cfg.laconic
+    assert (lc.eta, lc.floor, lc.ceiling, lc.penalty_cap, lc.hit_cap, lc.count_eos) == (eta, floor, ceiling, cap, hit,
+                                                                                       count_eos)
+    assert lc.lambda_init == 0.0  # every script: lambda_len_init 0
+    assert (cfg.reward.format_weight, cfg.reward.format) == (fw, fmt)
 
 
 def _flat(cfg) -> dict:
@@ -80,14 +103,18 @@ def _flat(cfg) -> dict:
 
 @pytest.mark.parametrize("name,changed", [
     ("ablation_budget_b1000", {"laconic.budget": 1000}),
-    ("ablation_eta_0.01", {"laconic.eta": 0.01}),
-    ("ablation_ceiling_0.3", {"laconic.ceiling": 0.3}),
-    ("ablation_fixed_lambda_0.05", {"laconic.shaper": "fixed", "laconic.lambda_init": 0.05, "laconic.floor": 0.0}),
-    ("ablation_linear_cost", {"laconic.shaper": "linear"}),
+    ("ablation_eta_0.001", {"laconic.budget": 1500, "laconic.eta": 0.001, "laconic.ceiling": 0.3}),
+    ("ablation_eta_0.01", {"laconic.budget": 1500, "laconic.eta": 0.01, "laconic.ceiling": 0.15}),
+    ("ablation_ceiling_0.3", {"laconic.budget": 1500, "laconic.ceiling": 0.3}),
+    ("ablation_ceiling_0.15", {"laconic.budget": 1500, "laconic.ceiling": 0.15}),
+    ("ablation_fixed_lambda_0.05", {"laconic.shaper": "fixed", "laconic.budget": 1000, "laconic.lambda_init": 0.05,
+                                    "laconic.floor": 0.0}),
+    ("ablation_linear_cost", {"laconic.shaper": "linear", "laconic.budget": 1500}),
     ("baseline_efficient", {"laconic.shaper": "efficient", "laconic.alpha": 0.1}),
 ])
 def test_ablation_changes_only_its_knob(name, changed):
-    """An ablation differs from the DeepScaleR run in its own knob only (plus its name / output folder)."""
+    """An ablation differs from the DeepScaleR run in the knobs the paper names for it (plus its name / output
+    folder): its own knob, and the budget the paper ran it at."""
     ref = _flat(load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml"))
     abl = _flat(load_config(ROOT / "recipes" / f"{name}.yaml"))
     diff = {k: abl[k] for k in abl if abl[k] != ref[k] and k not in ("run.name", "run.output_dir")}

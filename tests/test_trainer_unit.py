@@ -44,3 +44,41 @@ def test_batch_sizes_must_fit_the_data_parallel_layout():
         make_trainer(["grpo.num_prompts_per_step=15", "grpo.minibatch_size=120"], dp_size=2)
     with pytest.raises(ValueError, match="minibatch_size"):
         make_trainer(["grpo.minibatch_size=1"], dp_size=2)  # divides the rollout, not DP
+
+
+def test_count_eos_reaches_the_shaper_and_the_dual_step():
+    """laconic.count_eos: the dual step sees L with the EOS token (EasyR1's response-mask sum) and a response whose
+    EOS is the L_max-th token is a hit; without it, L excludes EOS and only truncated responses are hits."""
+    import torch
+
+    from laconic_nemo.grpo.interfaces import GenerationOutput
+
+    class Actor(SimpleNamespace):
+        def generate(self, prompt_ids, sampling):
+            n, lmax = len(prompt_ids), sampling.max_new_tokens
+            # per group of 8: 2 truncated (L_max, no EOS), 2 with EOS as the L_max-th token, 4 short with EOS
+            lengths = torch.tensor([lmax, lmax, lmax - 1, lmax - 1, 3, 4, 5, 6] * (n // 8))
+            truncated = torch.tensor([True, True, False, False, False, False, False, False] * (n // 8))
+            resp = lengths + (~truncated).long()
+            tokens = torch.ones(n, 2 + int(resp.max()), dtype=torch.long)
+            return GenerationOutput(tokens, torch.full((n,), 2), resp, lengths, truncated)
+
+        def logprobs(self, batch, reference=False):
+            return torch.zeros(batch.response_mask.shape)
+
+        def train_step(self, mb, loss_fn, micro):
+            return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
+
+    means, hits = {}, {}
+    for flag in (False, True):
+        cfg = load_config(TINY, [f"laconic.count_eos={str(flag).lower()}", "laconic.hit_cap=0.25",
+                                 "grpo.clip_dual=3.0"])
+        trainer = GRPOTrainer(cfg, Actor(dp_rank=0, dp_size=1, dp_group=None), encode=list, decode=str,
+                              prompts=[(f"P{i}", "1") for i in range(50)],
+                              reward_fn=lambda texts, answers: ([0.0] * len(texts), {}), eos_id=1)
+        m = trainer.train_step(0)
+        means[flag], hits[flag] = m["mean_response_length"], m["shaper/frac_truncated"]
+    lmax = int(cfg.rollout.max_new_tokens)
+    plain = (2 * lmax + 2 * (lmax - 1) + 3 + 4 + 5 + 6) / 8
+    assert means[False] == plain and means[True] == plain + 6 / 8
+    assert (hits[False], hits[True]) == (2 / 8, 4 / 8)

@@ -4,8 +4,8 @@
 Nothing here imports megatron-core, NeMo or vLLM.
 """
 
-from laconic_nemo.core.advantages import group_advantages
-from laconic_nemo.core.costs import clipped_cost, lagrangian_reward, linear_cost
+from laconic_nemo.core.advantages import ADVANTAGE_STD, group_advantages
+from laconic_nemo.core.costs import clipped_cost, cost_lengths, lagrangian_reward, linear_cost
 from laconic_nemo.core.dual import DualController, default_ceiling
 from laconic_nemo.core.shapers import (
     CONFIG_KEYS,
@@ -24,6 +24,7 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
+    "ADVANTAGE_STD",
     "CONFIG_KEYS",
     "DualController",
     "EfficientShaper",
@@ -36,6 +37,7 @@ __all__ = [
     "OverlongShaper",
     "RewardShaper",
     "clipped_cost",
+    "cost_lengths",
     "default_ceiling",
     "get_shaper",
     "group_advantages",

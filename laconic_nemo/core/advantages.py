@@ -8,7 +8,11 @@ import torch
 
 from laconic_nemo.core.costs import float_dtype_of
 
-__all__ = ["group_advantages", "check_group_size"]
+__all__ = ["group_advantages", "check_group_size", "ADVANTAGE_STD"]
+
+# How the group's spread is measured: the population std (divide by G) or the unbiased sample std
+# (divide by G - 1, ``torch.std``'s default, used by EasyR1 / veRL's GRPO and so by the authors' runs).
+ADVANTAGE_STD = ("unbiased", "population")
 
 
 def check_group_size(n: int, group_size: int) -> int:
@@ -22,11 +26,15 @@ def check_group_size(n: int, group_size: int) -> int:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, leave_one_out: bool = False
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, leave_one_out: bool = False,
+    std: str = "population",
 ) -> torch.Tensor:
     """Per-response advantage ``A_i = (l_i - mean_group(l)) / (std_group(l) + eps)``.
 
-    ``std_group`` is the POPULATION standard deviation of the group (divide by G, not G - 1).
+    ``std_group`` is the POPULATION standard deviation of the group (divide by G) with
+    ``std="population"``, the unbiased sample standard deviation (divide by G - 1, as ``torch.std``
+    in EasyR1's ``compute_grpo_outcome_advantage``) with ``std="unbiased"``; the unbiased form
+    makes advantages smaller by ``sqrt((G - 1) / G)`` (eps aside).
     Groups whose members are all equal (zero spread) get exactly ``A = 0``.
 
     With ``leave_one_out=True`` the baseline of response i is the mean of the OTHER G - 1 members,
@@ -41,6 +49,7 @@ def group_advantages(
         group_size: G >= 1.
         eps: >= 0, added to the group std.
         leave_one_out: use the leave-one-out mean as baseline.
+        std: "population" (divide by G) or "unbiased" (divide by G - 1; needs G >= 2).
 
     Returns:
         tensor [num_prompts * G] in the input's float dtype (default float dtype for integer input).
@@ -55,6 +64,10 @@ def group_advantages(
     check_group_size(n, group_size)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if std not in ADVANTAGE_STD:
+        raise ValueError(f"std (grpo.advantage_std) must be one of {ADVANTAGE_STD}, got {std!r}")
+    if std == "unbiased" and group_size < 2:
+        raise ValueError(f"std='unbiased' needs group_size >= 2, got group_size={group_size}")
     if leave_one_out and group_size < 2:
         raise ValueError(f"leave_one_out needs group_size >= 2, got group_size={group_size}")
     out_dtype = float_dtype_of(rewards)
@@ -65,10 +78,11 @@ def group_advantages(
         raise ValueError("rewards must be finite (found NaN or inf)")
     mean = r.mean(dim=1, keepdim=True)
     centered = r - mean
-    std = centered.square().mean(dim=1, keepdim=True).sqrt()
+    dof = group_size - 1 if std == "unbiased" else group_size
+    spread = (centered.square().sum(dim=1, keepdim=True) / dof).sqrt()
     if leave_one_out:
         centered = centered * (group_size / (group_size - 1))
-    adv = centered / (std + eps)
+    adv = centered / (spread + eps)
     # Exact zero for groups with no spread (the mean of equal floats can differ from them by rounding).
     flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
     adv = adv.masked_fill(flat, 0.0)

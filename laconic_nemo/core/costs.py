@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["clipped_cost", "linear_cost", "lagrangian_reward", "check_budget", "float_dtype_of"]
+__all__ = ["clipped_cost", "linear_cost", "lagrangian_reward", "check_budget", "float_dtype_of", "cost_lengths"]
 
 
 def check_budget(budget: float, name: str = "budget") -> float:
@@ -35,6 +35,36 @@ def _as_lengths(lengths: torch.Tensor | list | tuple) -> torch.Tensor:
     if lengths.is_complex() or lengths.dtype == torch.bool:
         raise ValueError(f"lengths must be a real integer or float tensor, got dtype {lengths.dtype}")
     return lengths
+
+
+def cost_lengths(lengths: torch.Tensor, truncated: torch.Tensor, count_eos: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lengths L the shaper and the dual step see, and the truncation flags to hand the shaper.
+
+    Paper form (``count_eos=False``): L = generated tokens without EOS, a response cut at L_max counts
+    L_max; the flags are the engine's ``truncated``.
+
+    Authors' form (``laconic.count_eos: true``): L counts the EOS token too (EasyR1's response mask,
+    ``verl/utils/torch_functional.py::get_response_mask``, keeps the first EOS), so L = lengths + 1 for a
+    response that ended on EOS; the flags are None, i.e. the shaper's ``L >= L_max``: as in the authors'
+    ``hit_cap`` (``actual_lengths == max_response_length``), a response whose EOS is the L_max-th token
+    gets the hit penalty too.
+
+    Args:
+        lengths: [N] int, generated tokens without EOS (``GenerationOutput.lengths``).
+        truncated: [N] bool, True where the response hit L_max without EOS.
+        count_eos: count the EOS token.
+
+    Returns:
+        (L [N] int64, truncated [N] bool or None).
+    """
+    L = _as_lengths(lengths).to(torch.long)
+    trunc = torch.as_tensor(truncated).to(torch.bool)
+    if trunc.shape != L.shape:
+        raise ValueError(f"truncated must have the shape of lengths {tuple(L.shape)}, got {tuple(trunc.shape)}")
+    if not count_eos:
+        return L, trunc
+    return L + (~trunc).to(torch.long), None
 
 
 def clipped_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 ``lambda <- clip(lambda + eta * (mean_L / B - 1), floor, Lambda)``
 
+The initial lambda is used as given: it may lie below the floor (the authors' scripts start at
+``lambda_len_init = 0`` with ``lambda_floor = 1e-5``); the first dual step clips it into [floor, Lambda].
+
 All arithmetic is in Python floats (IEEE float64) in a fixed order, so every data-parallel rank that
 feeds the same all-reduced mean length gets the same lambda bit for bit.
 """
@@ -52,8 +55,9 @@ class DualController:
         ceiling: Lambda, the upper clip; None = ``B / (max_length - B)`` when max_length is given,
             otherwise no upper clip.
         max_length: L_max (> B), the generation limit; only used for the default ceiling.
-        init: initial lambda, in [floor, ceiling].
-        floor: lower clip of lambda, >= 0 (the paper uses 0, the authors' code 1e-5).
+        init: initial lambda, in [0, ceiling]; a value below ``floor`` is kept unclipped until the
+            first update, which clips it into [floor, ceiling] (the authors' code starts at 0 with floor 1e-5).
+        floor: lower clip of lambda, >= 0 (the paper uses 0, the authors' DeepScaleR script 1e-5).
     """
 
     def __init__(
@@ -84,9 +88,10 @@ class DualController:
             self.ceiling = _finite("ceiling", ceiling, "a finite number >= floor")
         if self.ceiling < self.floor:
             raise ValueError(f"ceiling must be >= floor, got ceiling={self.ceiling!r} and floor={self.floor!r}")
-        init_v = _finite("init", init, f"a finite number in [floor, ceiling] = [{self.floor!r}, {self.ceiling!r}]")
-        if not (self.floor <= init_v <= self.ceiling):
-            raise ValueError(f"init must be in [floor, ceiling] = [{self.floor!r}, {self.ceiling!r}], got {init!r}")
+        init_v = _finite("init", init, f"a finite number in [0, ceiling] = [0, {self.ceiling!r}]")
+        if not (0.0 <= init_v <= self.ceiling):
+            raise ValueError(f"init must be in [0, ceiling] = [0, {self.ceiling!r}] (below floor = {self.floor!r} "
+                             f"is allowed: the first update clips it), got {init!r}")
         self._lam = init_v
         self.num_updates = 0
 
@@ -131,7 +136,8 @@ class DualController:
 
         With ``strict=True`` (default) a saved budget / eta / ceiling / floor that differs from this
         controller's raises ValueError naming the key. With ``strict=False`` the current settings are
-        kept and the restored lambda is clipped into [floor, ceiling].
+        kept and the restored lambda is clipped into [floor, ceiling]. A state saved before the first update
+        (``num_updates == 0``) may hold an initial lambda in [0, floor).
         """
         for key in ("lam", "budget", "eta", "ceiling", "floor"):
             if key not in state:
@@ -144,9 +150,10 @@ class DualController:
                 if (saved is None) != (mine[key] is None) or (saved is not None and float(saved) != mine[key]):
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "
                                      f"{mine[key]!r} (pass strict=False to keep this run's settings)")
-            if not (self.floor <= lam <= self.ceiling):
-                raise ValueError(f"lam in checkpoint ({lam!r}) is outside [floor, ceiling] = "
-                                 f"[{self.floor!r}, {self.ceiling!r}]")
+            low = 0.0 if int(state.get("num_updates", 0)) == 0 else self.floor
+            if not (low <= lam <= self.ceiling):
+                raise ValueError(f"lam in checkpoint ({lam!r}) is outside [{low!r}, ceiling] = "
+                                 f"[{low!r}, {self.ceiling!r}]")
             self._lam = lam
         else:
             self._lam = min(max(lam, self.floor), self.ceiling)

@@ -56,10 +56,11 @@ __all__ = [
 ]
 
 # Keys of the `laconic:` section of recipes/base.yaml, plus max_length (= rollout.max_new_tokens) and the
-# correctness threshold of the indicator-based baselines.
+# correctness threshold of the indicator-based baselines. count_eos is read by the trainer (which lengths it
+# hands the shaper, see core.costs.cost_lengths) and ignored here.
 CONFIG_KEYS = (
     "shaper", "budget", "eta", "ceiling", "lambda_init", "floor", "penalty_cap", "hit_cap", "alpha",
-    "overlong_buffer", "overlong_penalty", "max_length", "correct_threshold",
+    "overlong_buffer", "overlong_penalty", "max_length", "correct_threshold", "count_eos",
 )
 
 
@@ -274,8 +275,9 @@ class LaconicShaper(_LagrangianShaper):
         budget: B > 0.
         eta: dual step size >= 0.
         ceiling: Lambda; None = B / (max_length - B) (needs max_length > B) when max_length is given.
-        lambda_init: initial lambda, in [floor, ceiling].
-        floor: lower clip of lambda >= 0 (authors' code: 1e-5).
+        lambda_init: initial lambda, in [0, ceiling]; below ``floor`` it is used unclipped for the first
+            step and clipped by the first dual update (authors' scripts: 0 with floor 1e-5).
+        floor: lower clip of lambda >= 0 (authors' DeepScaleR script: 1e-5).
         penalty_cap: cap on the per-response penalty lambda * c (authors' code: 0.4); None = no cap.
         hit_cap: extra penalty for truncated responses (authors' code: 0.1); 0 = none.
         max_length: L_max.
@@ -304,9 +306,9 @@ class LaconicShaper(_LagrangianShaper):
         if ceil < floor:
             raise ValueError(f"laconic.ceiling must be >= laconic.floor, got ceiling={ceil!r}, floor={floor!r}")
         lam0 = _num("lambda_init", lambda_init if lambda_init is not None else 0.0, "a finite number")
-        if not floor <= lam0 <= ceil:
-            raise ValueError(f"laconic.lambda_init must be in [floor, ceiling] = [{floor!r}, {ceil!r}], got "
-                             f"{lambda_init!r}")
+        if not 0.0 <= lam0 <= ceil:
+            raise ValueError(f"laconic.lambda_init must be in [0, ceiling] = [0, {ceil!r}] (below laconic.floor is "
+                             f"allowed: the first dual step clips it), got {lambda_init!r}")
         self.dual = DualController(self.budget, eta, ceiling=ceil if math.isfinite(ceil) else None,
                                    init=lam0, floor=floor)
 

@@ -13,9 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-# Prompt templates. `{problem}` is replaced by the problem text. Chat-formatted templates (for
-# instruction-tuned models) are applied by the tokenizer's chat template when one is available;
-# these plain forms are what the paper's DeepScaleR / DeepSeek-R1-Distill runs use.
+# The authors' format prompt: EasyR1 v0.3.2.dev0 examples/format_prompt/math.jinja,
+# `{{ content | trim }} You FIRST think ... \boxed{}.`, which EasyR1's RLHFDataset renders into the single user
+# turn of the model's own chat template (tokenizer.apply_chat_template(..., add_generation_prompt=True)).
+EASYR1_MATH_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the "
+                      "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                      "answer MUST BE put in \\boxed{{}}.")
+_QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{{}}."
+
+# Prompt templates. `{problem}` is replaced by the problem text. Each is the chat template of its model
+# family written out for one user turn (CHAT_MESSAGES below gives that turn; `laconic-nemo plan` compares the
+# two when the tokenizer is at hand).
 TEMPLATES = {
     # DeepSeek-R1-Distill / DeepScaleR: user turn, answer expected in \boxed{}.
     "deepseek_r1": "<｜begin▁of▁sentence｜><｜User｜>{problem} Let's think step by step and output the final answer "
@@ -23,9 +31,39 @@ TEMPLATES = {
     # Qwen chat format (Qwen2.5-Math-Instruct, Qwen3).
     "qwen_chat": "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
     "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
+    # The authors' prompt (math.jinja) in the DeepSeek-R1-Distill / DeepScaleR chat template.
+    "deepseek_r1_easyr1_math": "<｜begin▁of▁sentence｜><｜User｜>{problem}" + EASYR1_MATH_SUFFIX
+    + "<｜Assistant｜><think>\n",
+    # The authors' prompt in the Qwen3 chat template (no system turn; thinking mode is the default).
+    "qwen3_easyr1_math": "<|im_start|>user\n{problem}" + EASYR1_MATH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n",
+    # The authors' prompt in the Qwen2.5-Math-Instruct chat template (its default system turn).
+    "qwen_math_easyr1_math": "<|im_start|>system\n" + _QWEN_MATH_SYSTEM + "<|im_end|>\n<|im_start|>user\n{problem}"
+    + EASYR1_MATH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n",
     # The bare problem (base models, tests).
     "plain": "{problem}",
 }
+
+# Templates whose problem is trimmed first (jinja's `content | trim` in math.jinja).
+_TRIMMED = {"deepseek_r1_easyr1_math", "qwen3_easyr1_math", "qwen_math_easyr1_math"}
+
+
+def chat_messages(template: str, problem: str) -> list[dict] | None:
+    """The chat turns a template writes out, for ``tokenizer.apply_chat_template(messages,
+    add_generation_prompt=True)``; None for ``plain``."""
+    if template not in TEMPLATES:
+        raise ValueError(f"data.prompt_template = {template!r}: allowed {', '.join(sorted(TEMPLATES))}")
+    unescape = lambda t: t.replace("{{}}", "{}")  # noqa: E731
+    if template == "plain":
+        return None
+    if template == "deepseek_r1":
+        return [{"role": "user", "content": problem + " Let's think step by step and output the final answer within "
+                 "\\boxed{}."}]
+    if template == "qwen_chat":
+        return [{"role": "system", "content": unescape(_QWEN_MATH_SYSTEM)}, {"role": "user", "content": problem}]
+    user = [{"role": "user", "content": problem.strip() + unescape(EASYR1_MATH_SUFFIX)}]
+    if template == "qwen_math_easyr1_math":
+        return [{"role": "system", "content": unescape(_QWEN_MATH_SYSTEM)}, *user]
+    return user
 
 
 @dataclass(frozen=True)
@@ -37,7 +75,9 @@ class PromptItem:
 def render(template: str, problem: str) -> str:
     if template not in TEMPLATES:
         raise ValueError(f"data.prompt_template = {template!r}: allowed {', '.join(sorted(TEMPLATES))}")
-    return TEMPLATES[template].replace("{problem}", problem).replace("{{}}", "{}")
+    if template in _TRIMMED:
+        problem = problem.strip()
+    return TEMPLATES[template].replace("{{}}", "{}").replace("{problem}", problem)
 
 
 def read_rows(path: str | Path) -> list[dict]:

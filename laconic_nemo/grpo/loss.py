@@ -32,6 +32,7 @@ def grpo_token_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     kl_beta: float = 0.0,
+    clip_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO loss.
 
@@ -43,11 +44,16 @@ def grpo_token_loss(
     clip_eps: lower (and, unless ``clip_eps_high`` is given, upper) clip of the ratio, > 0.
     clip_eps_high: upper clip (DAPO clip-higher); None = clip_eps.
     kl_beta: coefficient of the k3 estimator of KL(pi || pi_ref), >= 0.
+    clip_dual: the constant C > 1 of dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); None = off. Where
+        A < 0 the surrogate loss is bounded by C |A|: ``min(-min(ratio A, clip(ratio) A), -C A)``, so a
+        token whose ratio has grown far above 1 cannot push the loss without bound (EasyR1's
+        ``compute_policy_loss``, ``clip_ratio_dual`` 3.0).
 
-    Returns (per_token_loss [n, T-1], {"ratio", "clipped", "kl"} each [n, T-1]) with
+    Returns (per_token_loss [n, T-1], {"ratio", "clipped", "dual_clipped", "kl"} each [n, T-1]) with
     ratio = exp(logp - logp_old), per_token_loss = -min(ratio A, clip(ratio, 1-eps, 1+eps_high) A)
-    + kl_beta * (exp(ref - logp) - (ref - logp) - 1), "clipped" = 1.0 where the clipped term is the
-    active (strictly smaller) one, all zero off the mask.
+    (then dual-clipped where A < 0) + kl_beta * (exp(ref - logp) - (ref - logp) - 1), "clipped" = 1.0
+    where the clipped term is the active (strictly smaller) one, "dual_clipped" = 1.0 where the dual
+    bound is active, all zero off the mask.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [n, T-1], got shape {tuple(logprobs.shape)}")
@@ -61,6 +67,8 @@ def grpo_token_loss(
         raise ValueError(f"clip_eps_high must be > 0 (or None), got {clip_eps_high}")
     if kl_beta < 0:
         raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
+    if clip_dual is not None and not clip_dual > 1:
+        raise ValueError(f"clip_dual must be > 1 (or None), got {clip_dual}")
     if kl_beta > 0 and ref_logprobs is None:
         raise ValueError("kl_beta > 0 needs ref_logprobs")
     if advantages.dim() == 1:
@@ -82,6 +90,13 @@ def grpo_token_loss(
     surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high) * adv
     per_token = -torch.minimum(surr_unclipped, surr_clipped)
     clipped = (surr_clipped < surr_unclipped).to(logprobs.dtype) * mask
+    if clip_dual is not None:
+        dual_bound = -clip_dual * adv
+        dual_active = (adv < 0) & (per_token > dual_bound)
+        per_token = torch.where(dual_active, dual_bound, per_token)
+        dual_clipped = dual_active.to(logprobs.dtype) * mask
+    else:
+        dual_clipped = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         delta = torch.where(on, ref_logprobs.detach().to(logprobs.dtype) - logprobs, zero)
         kl = torch.exp(delta) - delta - 1.0
@@ -90,7 +105,7 @@ def grpo_token_loss(
     if kl_beta > 0:
         per_token = per_token + kl_beta * kl
     per_token = per_token * mask
-    return per_token, {"ratio": ratio * mask, "clipped": clipped, "kl": kl * mask}
+    return per_token, {"ratio": ratio * mask, "clipped": clipped, "dual_clipped": dual_clipped, "kl": kl * mask}
 
 
 def _check_counts(global_num_tokens: float | None, global_num_seqs: float | None, aggregation: str) -> None:
@@ -127,9 +142,11 @@ def make_grpo_loss_fn(
     aggregation: str = "seq_mean_token_mean",
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
+    clip_dual: float | None = None,
 ) -> LossFn:
     """GRPO loss over one micro-batch (see module docstring for the global normalisation).
 
+    clip_eps / clip_eps_high / kl_beta / clip_dual: as in :func:`grpo_token_loss`.
     global_num_tokens: response tokens (mask sum) of the whole optimiser minibatch over ALL DP ranks.
     global_num_seqs: sequences of that minibatch over ALL DP ranks (seq_mean_token_mean).
     The returned function maps (logprobs [n, T-1], TrainBatch) to (scalar loss, metrics) where metrics
@@ -153,6 +170,7 @@ def make_grpo_loss_fn(
             clip_eps=clip_eps,
             clip_eps_high=clip_eps_high,
             kl_beta=kl_beta,
+            clip_dual=clip_dual,
         )
         loss = aggregate(per_token, mask, aggregation, global_num_tokens, global_num_seqs)
         with torch.no_grad():

@@ -147,7 +147,7 @@ def build_task(cfg: DictConfig):
         return tok.encode, tok.decode, tok.eos_id, tok.pad_id, tok.vocab_size, prompts, reward_fn, warmup_example
 
     from laconic_nemo.data.datasets import load_math_prompts
-    from laconic_nemo.rewards import MathReward
+    from laconic_nemo.rewards.format import build_reward_fn
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
@@ -155,12 +155,7 @@ def build_task(cfg: DictConfig):
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
-    grader = MathReward(num_workers=int(cfg.reward.num_workers), timeout_s=float(cfg.reward.timeout_s),
-                        format_weight=float(cfg.reward.format_weight))
-
-    def reward_fn(texts, answers):
-        res = grader.score(texts, answers)
-        return res.scores, res.metrics
+    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)

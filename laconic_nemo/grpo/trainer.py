@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.core import group_advantages, shaper_from_config
+from laconic_nemo.core import cost_lengths, group_advantages
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
+from laconic_nemo.grpo.build import advantage_settings, build_shaper, loss_settings
 from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
@@ -118,15 +119,9 @@ class GRPOTrainer:
                 f"and be divisible by DP = {dp}"
             )
         self.local_minibatch = int(g.minibatch_size) // dp
-        self.shaper = shaper_from_config(OmegaConf.to_container(cfg.laconic, resolve=True),
-                                         max_length=int(cfg.rollout.max_new_tokens))
+        self.shaper = build_shaper(cfg)  # the same builder `laconic-nemo plan` runs
         rng = cfg.data.target_length_range
-        if getattr(self.shaper, "needs_targets", False) and rng is None:
-            raise ValueError(f"laconic.shaper = {cfg.laconic.shaper} needs per-prompt target lengths: "
-                             "set data.target_length_range = [min, max]")
         self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
-        if self.target_range and not 1 <= self.target_range[0] <= self.target_range[1]:
-            raise ValueError(f"data.target_length_range = {list(rng)}: need 1 <= min <= max")
         self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
                                      bool(cfg.data.shuffle))
         self.out = Path(cfg.run.output_dir)
@@ -208,10 +203,10 @@ class GRPOTrainer:
         gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
 
         with timer("shape_advantage"):
-            lengths = gen.lengths.to(torch.long)
-            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, gen.truncated.bool(), self.G, targets)
-            advantages = group_advantages(shaped, self.G, eps=float(self.cfg.grpo.advantage_eps),
-                                          leave_one_out=bool(self.cfg.grpo.leave_one_out))
+            # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
+            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, bool(self.cfg.laconic.count_eos))
+            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, truncated, self.G, targets)
+            advantages = group_advantages(shaped, self.G, **advantage_settings(self.cfg))
 
         batch = TrainBatch(
             tokens=gen.tokens,
@@ -258,10 +253,7 @@ class GRPOTrainer:
             mb = batch.select(slice(start, start + self.local_minibatch))
             counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
             loss_fn = make_grpo_loss_fn(
-                clip_eps=float(g.clip_eps),
-                clip_eps_high=None if g.clip_eps_high is None else float(g.clip_eps_high),
-                kl_beta=float(g.kl_beta),
-                aggregation=str(g.loss_aggregation),
+                **loss_settings(self.cfg),
                 global_num_tokens=max(float(counts[0]), 1.0),
                 global_num_seqs=float(counts[1]),
             )

@@ -1,0 +1,19 @@
+#!/bin/bash
+# Paper textbook form of the DeepSeek-R1-Distill-Qwen-1.5B B = 1500 run (NeMo-Aligner actor, DP 16).
+# Submit from the repository root:  sbatch launch/deepseek_b1500_paper.sh   (DRY_RUN=1 bash launch/deepseek_b1500_paper.sh to preview)
+#SBATCH --job-name=laconic-deepseek_b1500_paper
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+RECIPE=recipes/deepseek_1.5b_b1500_paper.yaml
+HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepSeek-R1-Distill-Qwen-1.5B}"
+REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck source=launch/submit.sh
+source "${REPO_DIR}/launch/submit.sh"

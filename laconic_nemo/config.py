@@ -156,6 +156,10 @@ def validate_config(cfg: DictConfig) -> None:
     _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
     _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)
     _require(ro.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", ro.engine)
+    # Separate-GPU vLLM has no weight channel: every rank's engine would land on cuda:0 (vLLM's UniProcExecutor)
+    # and the in-process refit cannot cross to vLLM's TP worker processes.
+    _require(bool(ro.vllm.colocate), "rollout.vllm.colocate", "true (vLLM on separate GPUs is not implemented)",
+             ro.vllm.colocate)
     _require(cfg.reward.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", cfg.reward.kind)
     _require(float(cfg.reward.timeout_s) > 0, "reward.timeout_s", "> 0 seconds", cfg.reward.timeout_s)
     _require(0 <= float(cfg.reward.format_weight) < 1, "reward.format_weight", "in [0, 1)", cfg.reward.format_weight)

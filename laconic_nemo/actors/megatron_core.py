@@ -563,7 +563,8 @@ class MegatronCoreActor:
         self._engine_weights_step = None
 
     def _generate_with_engine(self, prompts, sampling) -> GenerationOutput:
-        if self._engine_weights_step != self.step_count:
+        # a colocated engine discards its weights when it sleeps: refit then too, not only after a step
+        if self._engine_weights_step != self.step_count or getattr(self.rollout_engine, "needs_refit", False):
             self.rollout_engine.refit(self.model)
             self._engine_weights_step = self.step_count
         out = self.rollout_engine.generate(prompts, sampling)

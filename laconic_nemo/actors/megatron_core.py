@@ -115,9 +115,10 @@ class MegatronCoreActor:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-        self.model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
-        # Sum (not average) over micro-batches and DP: see the module docstring.
+        # Sum (not average) over micro-batches and DP: see the module docstring. Set BEFORE the DDP wrapper:
+        # megatron-core fixes its gradient scaling factor (1 or 1/DP) from this flag when DDP is built.
         transformer_config.calculate_per_token_loss = True
+        self.model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
         transformer_config.finalize_model_grads_func = lambda chunks, num_tokens=None: finalize_model_grads(
             chunks, None
         )
@@ -258,12 +259,14 @@ class MegatronCoreActor:
         return self.model[0].module
 
     # ------------------------------------------------------------------ helpers
-    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """log p(labels) [b, s] from this rank's vocab shard of the logits [b, s, V/tp] (vocab-parallel
-        cross entropy; padded vocabulary columns excluded)."""
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(labels) [b, s] at ``temperature`` (softmax of logits / temperature) from this rank's vocab shard
+        of the logits [b, s, V/tp] (vocab-parallel cross entropy; padded vocabulary columns excluded)."""
         from megatron.core import tensor_parallel
 
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / float(temperature)
         part = logits.shape[-1]
         start = self.tp_rank * part
         if start + part > self.vocab_size:
@@ -360,14 +363,19 @@ class MegatronCoreActor:
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32), identical on every TP/PP rank."""
+    def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32) at ``temperature``, identical on every
+        TP/PP rank."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         if reference:
             if self._ref_state is None:
                 raise ValueError("reference log-probs need a reference policy (grpo.kl_beta > 0 or reset_reference())")
             saved = self._swap_in(self._ref_state)
             try:
-                return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
+                return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size,
+                                     temperature=temperature)
             finally:
                 self._swap_in(saved)
         n, T = batch.tokens.shape
@@ -383,7 +391,7 @@ class MegatronCoreActor:
             out = model(tok, self._position_ids(*tok.shape), None)
 
             def loss_func(output):
-                logp = self.token_logprobs(output, labels)[:, :-1]
+                logp = self.token_logprobs(output, labels, temperature)[:, :-1]
                 return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logprobs": logp.float()}
 
             return out, loss_func
@@ -416,6 +424,7 @@ class MegatronCoreActor:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         padded = self._pad_rows(batch, mbs)
         micro = [padded.select(slice(i, i + mbs)) for i in range(0, len(padded), mbs)]
+        temperature = float(getattr(loss_fn, "temperature", 1.0))  # log-probs at the loss's temperature
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -427,7 +436,7 @@ class MegatronCoreActor:
             out = model(tok, self._position_ids(*tok.shape), None)
 
             def loss_func(output):
-                logp = self.token_logprobs(output, labels)[:, :-1]
+                logp = self.token_logprobs(output, labels, temperature)[:, :-1]
                 loss, metrics = loss_fn(logp, mb)
                 return loss, torch.tensor(1, dtype=torch.int), metrics
 

@@ -175,6 +175,10 @@ def validate_config(cfg: DictConfig) -> None:
         _require(value in choices, key, f"one of {', '.join(choices)}", value)
     _require(int(ro.sync_every) >= 1, "rollout.sync_every", ">= 1", ro.sync_every)
     _require(int(g.logprob_chunk_size) >= 1, "grpo.logprob_chunk_size", ">= 1", g.logprob_chunk_size)
+    # Separate-GPU vLLM has no weight channel: every rank's engine would land on cuda:0 (vLLM's UniProcExecutor)
+    # and the in-process refit cannot cross to vLLM's TP worker processes.
+    _require(bool(ro.vllm.colocate), "rollout.vllm.colocate", "true (vLLM on separate GPUs is not implemented)",
+             ro.vllm.colocate)
     _require(cfg.reward.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", cfg.reward.kind)
     _require(float(cfg.reward.timeout_s) > 0, "reward.timeout_s", "> 0 seconds", cfg.reward.timeout_s)
     _require(0 <= float(cfg.reward.format_weight) < 1, "reward.format_weight", "in [0, 1)", cfg.reward.format_weight)

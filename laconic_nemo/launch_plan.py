@@ -4,8 +4,10 @@ Loads and validates the recipe (``laconic_nemo.config``), then checks that it fi
 layout: world size = nodes x GPUs per node divisible by TP x PP, groups of G responses whole on
 each data-parallel rank, the global rollout batch divisible into optimiser minibatches and those
 into DP x micro-batches, attention heads divisible by TP, layers by PP, L_max inside the context
-window, and the checkpoint / data paths present (or created by the conversion step). Nothing is
-allocated: no torch.distributed, no model, no GPU. It prints the resolved layout and the exact
+window, and the checkpoint / data paths present (or created by the conversion step). When the HF
+folder is readable here, :func:`check_model_folder` also checks what the conversion and NeMo's sampler
+need: a folder NeMo's Qwen2 converter can read (the missing file named) and a tokenizer whose end
+strings are single tokens. Nothing is allocated: no torch.distributed, no model, no GPU. It prints the resolved layout and the exact
 commands a launch (``launch/submit.sh``) runs. A bad layout or key exits with code 2 and a
 message naming the key.
 
@@ -64,6 +66,8 @@ class Plan:
     num_steps: int
     conversion_needed: bool      # model.path (.nemo) missing and converted from the HF checkpoint first
     warnings: list[str] = field(default_factory=list)
+    tokenizer: str | None = None          # HF folder whose tokenizer was loaded (None: not readable here)
+    end_strings: list[str] | None = None  # NeMo sampler end strings (single tokens of that tokenizer)
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -182,6 +186,51 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     )
 
 
+def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
+    """Check the HF folder of a launch when it exists here (``--hf-model`` for ``model.source: nemo``,
+    ``model.path`` for ``hf``): a folder to convert must suit NeMo's Qwen2 converter, the tokenizer must
+    load, and for the NeMo sampler every end string must be a single token (built from the tokenizer, or
+    the ``nemo.model.reinforce.sampling_params.end_strings`` override). Returns {"tokenizer", "end_strings"}
+    (None values when no folder is readable); raises LayoutError naming the file or the string."""
+    from omegaconf import OmegaConf
+
+    from laconic_nemo.nemo_entry import END_STRINGS_KEY, end_strings_override
+    from laconic_nemo.tokenizer_checks import (
+        EndStringError,
+        check_converter_folder,
+        hf_text_to_ids,
+        load_hf_tokenizer,
+        resolve_end_strings,
+    )
+
+    m = cfg.model
+    folder = hf_model if m.source == "nemo" else (str(m.path) if m.source == "hf" else None)
+    if not folder or not Path(folder).is_dir():
+        return {"tokenizer": None, "end_strings": None}
+    if m.source == "nemo" and not Path(str(m.path)).exists():
+        try:
+            check_converter_folder(folder)
+        except (OSError, ValueError) as exc:
+            raise LayoutError(f"--hf-model {folder} cannot be converted to model.path: {exc}") from exc
+    try:
+        tok = load_hf_tokenizer(folder)
+    except Exception as exc:  # transformers raises several types
+        raise LayoutError(f"the tokenizer of {folder} does not load ({type(exc).__name__}: {exc})") from exc
+    if tok.eos_token is None:
+        raise LayoutError(f"the tokenizer of {folder} has no eos_token ({Path(folder) / 'tokenizer_config.json'})")
+    ends = None
+    if m.source == "nemo":
+        requested = None
+        if end_strings_override(list(nemo_overrides)):
+            node = OmegaConf.select(OmegaConf.from_dotlist(list(nemo_overrides)), END_STRINGS_KEY)
+            requested = [str(x) for x in (node if node is not None else [])]
+        try:
+            ends = resolve_end_strings(hf_text_to_ids(tok), requested)
+        except EndStringError as exc:
+            raise LayoutError(f"nemo.{END_STRINGS_KEY}: {exc} (tokenizer {folder})") from exc
+    return {"tokenizer": str(folder), "end_strings": ends}
+
+
 def default_mounts() -> str:
     """Container mounts as launch/submit.sh derives them from DATA_DIR, CKPT_DIR, RESULTS_DIR, REPO_DIR."""
     repo = os.environ.get("REPO_DIR", str(Path(__file__).resolve().parent.parent))
@@ -235,6 +284,9 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
         f"{plan.budget_tokens_per_step} at the budget B {plan.budget:g}",
         f"steps            {plan.num_steps}",
     ]
+    if plan.tokenizer:
+        lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
+                                                              else ""))
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]
@@ -282,11 +334,16 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from laconic_nemo.grpo.build import build_step_one
+    from laconic_nemo.nemo_entry import split_overrides
 
+    recipe_ov, nemo_ov = split_overrides(list(args.overrides))  # nemo.* keys go to the NeMo config
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, recipe_ov)
         plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
                            check_paths=not args.skip_path_checks)
+        if not args.skip_path_checks:
+            found = check_model_folder(cfg, args.hf_model, nemo_ov)
+            plan.tokenizer, plan.end_strings = found["tokenizer"], found["end_strings"]
         # what the trainer builds before step 1 without a GPU: shaper + lambda controller, advantages, loss,
         # reward, and (paths permitting) tokenizer and one rendered prompt
         built = build_step_one(cfg, hf_model=args.hf_model)

@@ -18,8 +18,14 @@ and validated before anything else. Then:
 
 Both drive the same :class:`laconic_nemo.grpo.trainer.GRPOTrainer`. ``--prepare`` converts the HF
 checkpoint to the recipe's ``model.path`` with NeMo's ``convert_qwen2_hf_to_nemo.py`` when that file
-is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Math); Qwen3 has no
+is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Math), run through
+:mod:`laconic_nemo.convert_qwen2` so that a folder with ``tokenizer.json`` only converts; Qwen3 has no
 converter in these NeMo pins and runs on the megatron-core actor with the HF bridge.
+
+End strings: NeMo's sampler gets ``"<|endoftext|>"`` (its alias for the EOS id) plus the chat end strings
+that are single tokens of the loaded tokenizer (:func:`laconic_nemo.tokenizer_checks.resolve_end_strings`);
+a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
+not a single token (NeMo would decode every row at every step to look for it).
 
 Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint
 (``launch/submit.sh`` requeues the job).
@@ -38,10 +44,10 @@ from types import SimpleNamespace
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER
+from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
 
-QWEN2_CONVERTER = "/opt/NeMo/scripts/checkpoint_converters/convert_qwen2_hf_to_nemo.py"
-# End-of-response strings of the supported chat templates (DeepSeek-R1 distills, Qwen chat, base EOS).
-END_STRINGS = ["<｜end▁of▁sentence｜>", "<|im_end|>", "<|endoftext|>"]
+END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -87,7 +93,9 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
             "megatron_amp_O2": str(cfg.model.precision) != "fp32",
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
-            "sequence_parallel": tp > 1,
+            # off: sequence parallelism scatters the sequence over TP and megatron asserts it divides
+            # (tensor_parallel/mappings.py); rollout widths are arbitrary
+            "sequence_parallel": False,
             "seed": int(cfg.run.seed),
             "precision": precision,
             "dist_ckpt_format": "torch_dist",
@@ -109,7 +117,8 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
                 "sampling_params": {
                     "use_greedy": False, "temperature": float(r.temperature), "top_k": 0, "top_p": float(r.top_p),
                     "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False, "compute_logprob": False,
-                    "end_strings": list(END_STRINGS),
+                    # the EOS alias; the tokenizer's single-token chat end strings are added at start-up
+                    "end_strings": [END_OF_SEQ],
                 },
                 "length_params": {"max_length": int(r.max_new_tokens), "min_length": 1},
                 "trt_llm": trt_llm,
@@ -129,8 +138,39 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
 
 
 def conversion_command(hf_model: str, output_path: str, precision: str = "bf16") -> list[str]:
-    return [sys.executable, QWEN2_CONVERTER, "--input_name_or_path", str(hf_model), "--output_path",
-            str(output_path), "--precision", precision]
+    """NeMo's Qwen2 converter through :mod:`laconic_nemo.convert_qwen2` (tokenizer.json-only folders)."""
+    return [sys.executable, "-m", "laconic_nemo.convert_qwen2", "--converter", QWEN2_CONVERTER,
+            "--input_name_or_path", str(hf_model), "--output_path", str(output_path), "--precision", precision]
+
+
+def nemo_checkpoint_dir(folder: str | Path) -> Path:
+    """Where the actor's NeMo checkpoint of a trainer step lives: ``NLPDDPStrategy.save_checkpoint`` was
+    given ``folder/model.ckpt`` and wrote the distributed checkpoint to ``ckpt_to_dir`` of it, the folder
+    ``folder/model``; ``NLPDDPStrategy.load_checkpoint`` needs that folder (it raises "Distributed
+    checkpoints should be a directory" for the ``.ckpt`` name)."""
+    from laconic_nemo.actors.nemo_aligner import NEMO_CKPT
+
+    return Path(folder) / NEMO_CKPT
+
+
+def end_strings_override(nemo_overrides: list[str]) -> bool:
+    """True when the NeMo overrides set the sampler's end strings explicitly."""
+    return any(o.split("=", 1)[0].strip() == END_STRINGS_KEY for o in nemo_overrides)
+
+
+def apply_end_strings(model, requested: list[str] | None) -> list[str]:
+    """Set the end strings of a loaded ``MegatronGPTReinforceActorModel`` (its ``_sampling_params``, read by
+    ``infer``, and ``cfg.reinforce.sampling_params``, read by ``verify_is_valid_and_clamp_range_``).
+
+    requested: None builds them from ``model.tokenizer``; a list is checked (EndStringError names a string
+    that is not a single token)."""
+    from omegaconf import open_dict
+
+    ends = resolve_end_strings(model.tokenizer.text_to_ids, requested)
+    model._sampling_params["end_strings"] = list(ends)
+    with open_dict(model.cfg):
+        model.cfg.reinforce.sampling_params.end_strings = list(ends)
+    return ends
 
 
 def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
@@ -236,6 +276,9 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     ptl_trainer = resolve_and_create_trainer(ncfg, "reinforce")
     exp_manager(ptl_trainer, ncfg.exp_manager)
     model = load_from_nemo(cls, ncfg.model, ptl_trainer, strict=True, restore_path=restore)
+    ends = apply_end_strings(model, list(ncfg.model.reinforce.sampling_params.end_strings)
+                             if end_strings_override(nemo_overrides) else None)
+    print(f"nemo_entry: end strings {ends} (single tokens of the model's tokenizer)", flush=True)
     init_peft(model, ncfg.model)
     if float(cfg.grpo.kl_beta) > 0 and ncfg.model.peft.peft_scheme == "none":
         # the INITIAL policy, captured before a resumed checkpoint is restored below
@@ -243,7 +286,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
             model, megatron_amp_O2=ncfg.model.get("megatron_amp_O2", False))
     resume = nemo_resume_path(cfg)
     if resume is not None:
-        ptl_trainer.ckpt_path = str(Path(resume) / "model.ckpt")
+        ptl_trainer.ckpt_path = str(nemo_checkpoint_dir(resume))
     init_distributed(ptl_trainer, model, ncfg.model.get("transformer_engine", False))
 
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
@@ -292,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         from laconic_nemo.grpo.train_cli import train
 
         return train(cfg)
-    return train_nemo(cfg, nemo_ov)
+    try:
+        return train_nemo(cfg, nemo_ov)
+    except EndStringError as exc:
+        print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -40,3 +40,34 @@ def save_tiny_qwen2(path: str | Path, hidden: int = 32, layers: int = 1, seed: i
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return str(path)
+
+
+# Chat special tokens of the two tokenizer families the recipes use (a subset).
+DEEPSEEK_R1_DISTILL_SPECIALS = ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+QWEN25_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_bpe_tokenizer_json_only(path: str | Path, specials: list[str], eos: str) -> str:
+    """A byte-level BPE tokenizer (the Qwen2 / DeepSeek-R1-Distill family), trained here on a few lines,
+    saved as ``tokenizer.json`` + ``tokenizer_config.json`` only (no ``vocab.json`` / ``merges.txt``), the way
+    the DeepSeek-R1-Distill repositories ship it. ``specials`` become single special tokens; ``eos`` is one
+    of them. Returns the folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The answer is \\boxed{42}. Let me think step by step about the problem.",
+              "Solve for x: 2x + 3 = 7, so x = 2. Therefore the final answer is 2."] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    tok.save(str(p / "tokenizer.json"))
+    (p / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "eos_token": eos, "bos_token": None, "pad_token": eos,
+        "model_max_length": 16384, "add_bos_token": False, "add_eos_token": False}))
+    return str(p)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +38,24 @@ def test_rollout_conversion_hand_worked():
     assert mask.sum(1).tolist() == [3, 4, 1]  # the interface's mask covers exactly the response tokens
 
 
+def test_rollout_conversion_caps_rows_that_ran_past_max_new_tokens():
+    """NeMo's batch sampler runs every row to max(prompt) + max_length, so a row whose prompt is k tokens
+    shorter can generate (and end after) up to max_length + k tokens. Such a row is cut at L_max, counted
+    as truncated, and the tokens after the cut are overwritten, so neither the mask nor the text sees them."""
+    # prompts of 4 and 2 tokens, max_new_tokens 3 -> width 4 + 3 = 7
+    # row 0: ended after 2 tokens + EOS (total 7): within the limit
+    # row 1: prompt 2, ended on EOS after 4 tokens + EOS (total 7): 5 > 3 generated tokens
+    # row 2: prompt 2, 3 tokens then EOS at total 6: 4 > 3 generated tokens (the EOS itself is past the cap)
+    tokens = torch.tensor([[1, 1, 1, 1, 5, 6, 9], [1, 1, 5, 6, 7, 8, 9], [1, 1, 5, 6, 7, 9, 9]])
+    out = na.nemo_rollout_to_generation_output(tokens, torch.tensor([7, 7, 6]), torch.tensor([4, 2, 2]),
+                                               torch.tensor([True, True, True]), max_new_tokens=3, pad_id=0)
+    assert out.response_lengths.tolist() == [3, 3, 3]
+    assert out.lengths.tolist() == [2, 3, 3]
+    assert out.truncated.tolist() == [False, True, True]
+    assert out.tokens.tolist() == [[1, 1, 1, 1, 5, 6, 9], [1, 1, 5, 6, 7, 0, 0], [1, 1, 5, 6, 7, 0, 0]]
+    assert int(out.lengths.max()) <= 3
+
+
 def test_rollout_conversion_rejects_inconsistent_lengths():
     with pytest.raises(ValueError, match="response_lengths"):
         na.nemo_rollout_to_generation_output(torch.zeros(2, 4, dtype=torch.long), torch.tensor([1, 4]),
@@ -44,8 +63,9 @@ def test_rollout_conversion_rejects_inconsistent_lengths():
 
 
 def test_pad_prompts_and_batch_round_trip():
-    tokens, lengths = na.pad_prompts([[5, 6, 7], [8]], pad_id=0)
-    assert tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and lengths.tolist() == [3, 1]
+    # room for max_new_tokens after the longest prompt: NeMo's sampler writes the response into this tensor
+    tokens, lengths = na.pad_prompts([[5, 6, 7], [8]], pad_id=0, max_new_tokens=2)
+    assert tokens.tolist() == [[5, 6, 7, 0, 0], [8, 0, 0, 0, 0]] and lengths.tolist() == [3, 1]
     b = TrainBatch(tokens=torch.ones(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([2, 1]),
                    response_lengths=torch.tensor([2, 3]), response_mask=torch.ones(2, 4),
                    advantages=torch.tensor([0.5, -0.5]), old_logprobs=torch.zeros(2, 4))
@@ -84,8 +104,16 @@ def test_nemo_config_from_recipe():
     assert n.model.reinforce.rollout_micro_batch_size == 16  # nemo.* override applied
     assert n.model.optim.sched.min_lr == n.model.optim.lr == 1e-6
     assert n.pretrained_checkpoint.restore_from_path == "/checkpoints/deepseek-r1-distill-qwen-1.5b.nemo"
+    assert n.model.reinforce.sampling_params.end_strings == ["<|endoftext|>"]  # tokenizer's ones added at start-up
+
+
+def test_nemo_config_keeps_sequence_parallel_off_with_tp():
+    """With sequence parallelism megatron scatters the sequence dimension over TP and asserts
+    ``dim_size % world_size == 0`` ("First dimension of the tensor should be divisible by tensor parallel
+    size", megatron-core 0.11 ``megatron/core/tensor_parallel/mappings.py:65-69`` and ``:174-178``). Rollout
+    widths (longest prompt + response) are arbitrary, so the NeMo path keeps it off at TP > 1."""
     q = build_nemo_config(load_config(ROOT / "recipes" / "qwen3_8b_b1000.yaml"), 4, 8)
-    assert q.model.sequence_parallel and q.model.tensor_model_parallel_size == 4
+    assert q.model.tensor_model_parallel_size == 4 and q.model.sequence_parallel is False
 
 
 def test_split_overrides():
@@ -106,7 +134,8 @@ def test_prepare_converts_once_atomically(tmp_path):
 
     assert prepare(cfg, str(hf), run=fake_run) == 0
     assert target.read_text() == "nemo" and not list(target.parent.glob("*.partial*"))
-    assert calls[0][1].endswith("convert_qwen2_hf_to_nemo.py") and "--input_name_or_path" in calls[0]
+    assert calls[0][1:3] == ["-m", "laconic_nemo.convert_qwen2"] and "--input_name_or_path" in calls[0]
+    assert calls[0][calls[0].index("--converter") + 1].endswith("convert_qwen2_hf_to_nemo.py")
     assert prepare(cfg, str(hf), run=fake_run) == 0 and len(calls) == 1  # exists: no second conversion
     assert prepare(load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
                                [f"model.path={tmp_path / 'other.nemo'}"]), None, run=fake_run) == 2
@@ -180,11 +209,11 @@ def gloo_world(monkeypatch):
 
 @pytest.mark.nemo
 @nemo_skip
-def test_shared_loss_through_nemo_logprobs_matches_float64_reference(gloo_world):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_shared_loss_through_nemo_logprobs_matches_float64_reference(gloo_world, temperature):
     """The forward/loss function of the subclass, fed fixed logits, gives the shared GRPO loss of the
-    log_softmax log-probs times the micro-batch count (Megatron divides by it), and the same gradient."""
-    from types import SimpleNamespace
-
+    log_softmax(logits / T) log-probs (T = the loss's temperature, the rollout temperature) times the
+    micro-batch count (Megatron divides by it), and the same gradient."""
     torch.manual_seed(0)
     n, T, V = 3, 7, 11
     tokens = torch.randint(0, V, (n, T))
@@ -196,7 +225,7 @@ def test_shared_loss_through_nemo_logprobs_matches_float64_reference(gloo_world)
     logits = torch.randn(n, T, V, requires_grad=True)
     num_tokens = float(mask.sum())
     loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean", global_num_tokens=num_tokens,
-                                global_num_seqs=float(n))
+                                global_num_seqs=float(n), temperature=temperature)
 
     cls = na.actor_model_class()
     fake_self = SimpleNamespace(laconic_loss_fn=loss_fn, _laconic_metric_sums=torch.zeros(len(na.LOSS_METRICS),
@@ -209,7 +238,7 @@ def test_shared_loss_through_nemo_logprobs_matches_float64_reference(gloo_world)
     scaled.backward()
 
     ref_logits = logits.detach().double().requires_grad_(True)
-    ref_lp = torch.log_softmax(ref_logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    ref_lp = torch.log_softmax(ref_logits / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
     ref_loss, _ = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
                                     global_num_tokens=num_tokens, global_num_seqs=float(n))(
         ref_lp, TrainBatch(tokens, plen, rlen, mask.double(), batch.advantages.double(), batch.old_logprobs.double()))
@@ -249,3 +278,363 @@ def test_entry_rejects_bad_keys_before_anything_starts(capsys):
     assert "grpo.groupsize" in capsys.readouterr().err
     assert main([recipe, "laconic.budget=9000"]) == 2  # B must stay below L_max
     assert "laconic.budget" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- NeMo tier: upstream paths
+@pytest.fixture
+def cpu_cuda_shims(monkeypatch):
+    """NeMo's sampler and checkpoint code allocate through torch.cuda.*; on CPU those become CPU tensors."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.cuda, "FloatTensor", lambda data: torch.tensor(data, dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "LongTensor", lambda data: torch.tensor(data, dtype=torch.long))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def _nemo_tokenizer(tmp_path, family: str = "deepseek"):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, QWEN25_SPECIALS, save_bpe_tokenizer_json_only
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+    specials, eos = ((DEEPSEEK_R1_DISTILL_SPECIALS, DEEPSEEK_R1_DISTILL_SPECIALS[0]) if family == "deepseek"
+                     else (QWEN25_SPECIALS, "<|im_end|>"))
+    folder = save_bpe_tokenizer_json_only(tmp_path / f"tok_{family}", specials, eos)
+    return AutoTokenizer(folder, use_fast=True), folder
+
+
+def _nemo_strategy_end_check(nemo_tok, end_strings):
+    """(end token ids, strings NeMo will compare as decoded text) from NeMo's own strategy code."""
+    from nemo.collections.nlp.modules.common.text_generation_strategy import GPTModelTextGenerationStrategy
+
+    strategy = object.__new__(GPTModelTextGenerationStrategy)
+    strategy.model, strategy._end_of_generation_cache = SimpleNamespace(tokenizer=nemo_tok), None
+    return strategy._get_end_of_generation_tokens_and_strings(nemo_tok.eos_id, list(end_strings))
+
+
+@pytest.mark.nemo
+@nemo_skip
+@pytest.mark.parametrize("family", ["deepseek", "qwen"])
+def test_end_strings_are_single_tokens_for_nemo(tmp_path, family):
+    """``<|im_end|>`` is no token of the DeepSeek-R1-Distill tokenizer and ``<｜end▁of▁sentence｜>`` none of
+    Qwen2.5's: NeMo (``text_generation_strategy.py:165-265``) would decode every row at every step. The
+    config's end strings plus the tokenizer's single-token ones leave NeMo nothing to compare as text."""
+    from laconic_nemo.tokenizer_checks import EndStringError, resolve_end_strings
+
+    nemo_tok, _ = _nemo_tokenizer(tmp_path, family)
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
+    configured = list(build_nemo_config(cfg, 1, 8).model.reinforce.sampling_params.end_strings)
+    ends = resolve_end_strings(nemo_tok.text_to_ids, None)
+    assert set(configured) <= set(ends)
+    tokens, to_check = _nemo_strategy_end_check(nemo_tok, ends)
+    assert to_check == [] and nemo_tok.eos_id in tokens
+    chat_end = "<｜end▁of▁sentence｜>" if family == "deepseek" else "<|im_end|>"
+    assert chat_end in ends
+    foreign = "<|im_end|>" if family == "deepseek" else "<｜end▁of▁sentence｜>"
+    assert _nemo_strategy_end_check(nemo_tok, [foreign])[1] == [foreign]  # NeMo's slow path
+    with pytest.raises(EndStringError, match="not a single token"):
+        resolve_end_strings(nemo_tok.text_to_ids, ["<|endoftext|>", foreign])
+
+
+# A deterministic "language model": the next token follows a chain 50 -> 51 -> ... -> 58 -> EOS; any
+# other token leads to 40, which repeats forever (never ends).
+CHAIN = list(range(50, 59))
+
+
+def _next_token(t: int, eos: int) -> int:
+    if t in CHAIN:
+        return CHAIN[CHAIN.index(t) + 1] if t != CHAIN[-1] else eos
+    return 40
+
+
+def _fake_nemo_model(nemo_tok, ncfg, monkeypatch):
+    """The parts of a MegatronGPTReinforceActorModel that ``infer`` / ``MegatronGPTModel.generate`` use, with
+    those two methods taken from the real classes; only the network forward is replaced (NeMo's
+    ``GPTModelTextGenerationStrategy.forward_step`` returns logits of the chain model above)."""
+    import types
+
+    from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
+    from nemo.collections.nlp.modules.common.text_generation_strategy import GPTModelTextGenerationStrategy
+    from omegaconf import OmegaConf
+
+    na.actor_model_class()  # stubs TRT-LLM before the import below
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
+
+    V, eos = nemo_tok.vocab_size, nemo_tok.eos_id
+
+    def forward_step(self, batch, tensor_shape):
+        tokens = batch[0]
+        nxt = torch.tensor([[_next_token(int(t), eos) for t in row] for row in tokens])
+        return [{"logits": torch.nn.functional.one_hot(nxt, V).float() * 50.0}]
+
+    monkeypatch.setattr(GPTModelTextGenerationStrategy, "forward_step", forward_step)
+    m = types.SimpleNamespace(tokenizer=nemo_tok, training=False, model=None, use_trtllm_generation=False)
+    m.cfg = OmegaConf.create({"position_embedding_type": "rope", "encoder_seq_length": 4096, "hidden_size": 8,
+                              "reinforce": OmegaConf.to_container(ncfg.model.reinforce, resolve=True)})
+    m._length_params = OmegaConf.to_container(ncfg.model.reinforce.length_params)
+    m._sampling_params = OmegaConf.to_container(ncfg.model.reinforce.sampling_params)
+    m.cuda = lambda: m
+    m.prepare_for_inference = m.finish_inference = lambda: None
+    m.generate = types.MethodType(MegatronGPTModel.generate, m)
+    m.infer = types.MethodType(MegatronGPTReinforceActorModel.infer, m)
+    return m
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_rollout_through_nemo_sampler(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path):
+    """NemoAlignerActor.generate -> MegatronGPTReinforceActorModel.infer -> MegatronGPTModel.generate ->
+    NeMo's generate / sample_sequence_batch / TrackLengthGPTModelTextGenerationStrategy /
+    verify_is_valid_and_clamp_range_, on the chain model. Checks: prompts padded for NeMo's in-place
+    generation (no IndexError), end strings single tokens (no text comparison warned by NeMo), and a
+    shorter-prompt row that NeMo let run past max_length capped at L_max and marked truncated."""
+    import warnings
+
+    from laconic_nemo.grpo.interfaces import SamplingParams
+    from laconic_nemo.nemo_entry import apply_end_strings
+
+    nemo_tok, _ = _nemo_tokenizer(tmp_path)
+    eos, M = nemo_tok.eos_id, 4
+    ncfg = build_nemo_config(load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                                         [f"rollout.max_new_tokens={M}", "laconic.budget=2"]), 1, 1)
+    m = _fake_nemo_model(nemo_tok, ncfg, monkeypatch)
+    apply_end_strings(m, None)
+    actor = object.__new__(na.NemoAlignerActor)
+    actor.model, actor.pad_id = m, eos
+    prompts = [[10, 11, 12, 13, 14, 56],  # longest prompt: 57, 58, EOS (ends within L_max)
+               [10, 53],                  # 54 .. 58, EOS: 6 tokens, NeMo lets it run (maxlen = 6 + 4)
+               [10, 20, 30]]              # 40 forever: cut at L_max
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = actor.generate(prompts, SamplingParams(temperature=0.6, top_p=1.0, max_new_tokens=M, eos_id=eos,
+                                                     seed=3))
+    assert not [w for w in caught if "no associated special token" in str(w.message)]
+    assert out.prompt_lengths.tolist() == [6, 2, 3]
+    assert out.response_lengths.tolist() == [3, 4, 4]
+    assert out.lengths.tolist() == [2, 4, 4] and int(out.lengths.max()) <= M
+    assert out.truncated.tolist() == [False, True, True]
+    rows = [out.tokens[i, p : p + r].tolist() for i, (p, r) in enumerate(zip([6, 2, 3], [3, 4, 4]))]
+    assert rows == [[57, 58, eos], [54, 55, 56, 57], [40, 40, 40, 40]]
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_nemo_sampler_writes_into_the_prompt_tensor(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path):
+    """Upstream contract behind ``pad_prompts``: NeMo's ``sample_sequence_batch`` writes token t into column
+    ``context_length`` of the tensor it was given (``text_generation_utils.py:954-1025``), so a tensor padded
+    only to the longest prompt fails at the first generated token of that prompt."""
+    nemo_tok, _ = _nemo_tokenizer(tmp_path)
+    ncfg = build_nemo_config(load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                                         ["rollout.max_new_tokens=4", "laconic.budget=2"]), 1, 1)
+    m = _fake_nemo_model(nemo_tok, ncfg, monkeypatch)
+    lengths = torch.tensor([3, 2])
+    narrow = torch.tensor([[10, 11, 52], [10, 53, nemo_tok.eos_id]])
+    with pytest.raises(IndexError):
+        m.infer({"text": narrow, "length": lengths})
+    wide, _ = na.pad_prompts([[10, 11, 52], [10, 53]], nemo_tok.eos_id, 4)
+    assert m.infer({"text": wide, "length": lengths})["response_tokens"].shape[1] <= 3 + 4
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_inference_logprobs_at_the_sampling_temperature(gloo_world):
+    """Old and reference log-probs go through NeMo-Aligner's ``get_logprob_output_only_func``
+    (``megatron_gpt_reinforce_actor.py:210-229``, called by ``get_inference_log_probs`` and, under a CPU weight
+    swap, ``get_init_policy_logprobs``); the subclass feeds it ``logits / T``. Checked against float64."""
+    cls = na.actor_model_class()
+    torch.manual_seed(1)
+    n, T, V = 2, 6, 13
+    tokens = torch.randint(0, V, (n, T))
+    logits = torch.randn(n, T, V)
+    obj = object.__new__(cls)
+    obj.get_forward_output_only_func = lambda: (lambda it, model: (logits, None))
+    for temperature in (1.0, 0.6):
+        obj.laconic_logprob_temperature = temperature
+        fn = cls.get_logprob_output_only_func(obj, inference_only=True)
+        out, id_func = fn(iter([[tokens, None, None]]), None)
+        got = id_func(out)
+        ref = torch.log_softmax(logits.double() / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        assert got.shape == (n, T - 1) and torch.allclose(got.double(), ref, atol=1e-5), temperature
+
+
+def _nemo_checkpoint_stack(monkeypatch):
+    """NeMo's checkpoint path from ``trainer.save_checkpoint(path)`` down to megatron-core: a real
+    ``NLPDDPStrategy`` (``save_checkpoint`` -> ``DistributedCheckpointIO.save_checkpoint(ckpt_to_dir(path))``
+    -> ``megatron.core.dist_checkpointing.save``, whose rank-0 check refuses a non-empty destination,
+    ``serialization.py:347-356``) and ``NLPDDPStrategy.load_checkpoint`` (directory check, common state,
+    ``checkpoint_io.load_checkpoint``). Only the tensor byte writer/reader is a stand-in: megatron-core
+    0.11's torch_dist writer does not run with the CPU torch here (``_write_item`` signature), and apex,
+    which only the strategy's constructor asks for, is not installed."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from nemo.collections.nlp.parts import nlp_overrides
+    from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy
+    from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+
+    class TensorFileSave(SaveShardedStrategy):
+        def __init__(self):
+            super().__init__("torch_dist", 1)  # the format named in metadata.json, read back on load
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+            torch.save({t.key: t.data for t in nested_values(sharded_state_dict)}, Path(checkpoint_dir) / "shards.pt")
+
+        @property
+        def can_handle_sharded_objects(self):
+            return True
+
+    class CheckpointIO(DistributedCheckpointIO):
+        def load_checkpoint(self, path, map_location=None, sharded_state_dict=None, strict=None,
+                            validate_access_integrity=True):
+            from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+            shards = torch.load(Path(path) / "shards.pt")
+            loaded = dist_checkpointing.load_common_state_dict(path)
+            loaded["state_dict"] = dict_list_map_inplace(lambda t: shards[t.key].clone(),
+                                                         sharded_state_dict["state_dict"])
+            return loaded
+
+    class Module:  # what the strategy asks of the LightningModule
+        def __init__(self, w):
+            self.w = w
+
+        def sharded_state_dict(self):
+            return {"w": ShardedTensor.from_rank_offsets("w", self.w, replica_id=0)}
+
+    io = CheckpointIO("torch_dist")
+    io._save_sharded_strategy = TensorFileSave()
+    monkeypatch.setattr(nlp_overrides, "HAVE_APEX", True)
+    strategy = NLPDDPStrategy()
+    strategy.checkpoint_io = io
+    weights = torch.arange(6.0).view(2, 3)
+    strategy._lightning_module = Module(weights)
+
+    def trainer_save_checkpoint(filepath):  # Lightning: dump_checkpoint (on_save_checkpoint hooks), then the strategy
+        ckpt = {"sharded_state_dict": strategy.lightning_module.sharded_state_dict(), "optimizer_states": [],
+                na.CHECKPOINT_KEY: model.laconic_state}
+        strategy.save_checkpoint(ckpt, filepath, storage_options={"include_optimizer": False})
+
+    model = SimpleNamespace(laconic_state=None, prepare_for_training=lambda: None, finish_training=lambda: None,
+                            trainer=SimpleNamespace(save_checkpoint=trainer_save_checkpoint))
+    actor = object.__new__(na.NemoAlignerActor)
+    actor.model = model
+    return actor, strategy, weights
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_resave_after_an_interrupted_save_of_the_same_step(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path):
+    """A job killed during the NeMo save of step X leaves a non-empty ``step_X/model`` (or ``step_X.tmp``);
+    the resumed run reaches step X again and must be able to save it."""
+    actor, _, _ = _nemo_checkpoint_stack(monkeypatch)
+    folder = tmp_path / "checkpoints" / "nemo" / "step_000002"
+    for leftover in (folder / "model", folder.with_name(folder.name + ".tmp") / "model"):
+        leftover.mkdir(parents=True)
+        (leftover / "__0_0.distcp").write_bytes(b"partial")
+    actor.save_sharded_checkpoint(folder, {"step": 2, "shaper": {"lam": 0.5}})
+    assert sorted(p.name for p in (folder / "model").iterdir()) == ["common.pt", "metadata.json", "shards.pt"]
+    assert na.read_sidecar(folder) == {"step": 2, "shaper": {"lam": 0.5}}
+    assert not folder.with_name(folder.name + ".tmp").exists()
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_resume_path_is_the_folder_nemo_wrote(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path):
+    """``NLPDDPStrategy.save_checkpoint(..., "<f>/model.ckpt")`` writes to ``ckpt_to_dir`` = ``<f>/model``
+    (``nlp_overrides.py:421``, ``model_utils.py:717-734``); ``load_checkpoint`` refuses a path that is not a
+    directory (``nlp_overrides.py:563-564``). The resume path must be that folder."""
+    from nemo.utils.model_utils import ckpt_to_dir
+
+    from laconic_nemo.nemo_entry import nemo_checkpoint_dir
+
+    actor, strategy, weights = _nemo_checkpoint_stack(monkeypatch)
+    folder = tmp_path / "nemo" / "step_000004"
+    actor.save_sharded_checkpoint(folder, {"step": 4})
+    assert nemo_checkpoint_dir(folder) == ckpt_to_dir(folder / "model.ckpt")
+    with pytest.raises(ValueError, match="should be a directory"):
+        strategy.load_checkpoint(str(folder / "model.ckpt"), load_optimizer_states=False)
+    loaded = strategy.load_checkpoint(str(nemo_checkpoint_dir(folder)), load_optimizer_states=False)
+    assert torch.equal(loaded["state_dict"]["w"], weights)
+    assert loaded[na.CHECKPOINT_KEY] == {"step": 4}
+
+
+CONVERTER_STAND_IN = '''"""Stand-in for NeMo's scripts/checkpoint_converters/convert_qwen2_hf_to_nemo.py (NeMo 2.2.x): the same
+imports, arguments and first two lines of convert(); the weight conversion writes a marker file instead."""
+from argparse import ArgumentParser
+
+from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
+
+
+def get_args():
+    parser = ArgumentParser()
+    parser.add_argument("--input_name_or_path", type=str, default=None, required=True)
+    parser.add_argument("--output_path", type=str, default=None, required=True)
+    parser.add_argument("--precision", type=str, default="16")
+    return parser.parse_args()
+
+
+def convert(args):
+    model = Qwen2ForCausalLM.from_pretrained(args.input_name_or_path)
+    tokenizer = Qwen2Tokenizer.from_pretrained(args.input_name_or_path)
+    with open(args.output_path, "w") as f:
+        f.write(f"{model.config.vocab_size} {type(tokenizer).__name__}")
+
+
+if __name__ == "__main__":
+    convert(get_args())
+'''
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_prepare_converts_a_tokenizer_json_only_folder(tmp_path, monkeypatch):
+    """NeMo's Qwen2 converter (``scripts/checkpoint_converters/convert_qwen2_hf_to_nemo.py``, read at NVIDIA/NeMo
+    13ba900c: ``from transformers import Qwen2ForCausalLM, Qwen2Tokenizer`` and, in ``convert()``,
+    ``tokenizer = Qwen2Tokenizer.from_pretrained(args.input_name_or_path)``, never used afterwards) fails with
+    transformers 4.48 (the nemo:25.02 container's; this tier's) on a folder without vocab.json / merges.txt,
+    as the DeepSeek-R1-Distill repositories ship. ``prepare`` must still convert it."""
+    import importlib.util
+    import runpy
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import save_tiny_qwen2
+
+    import laconic_nemo.nemo_entry as ne
+
+    hf = Path(save_tiny_qwen2(tmp_path / "hf"))
+    assert (hf / "tokenizer.json").is_file() and not (hf / "vocab.json").exists() and not (hf / "merges.txt").exists()
+    script = tmp_path / "convert_qwen2_hf_to_nemo.py"
+    script.write_text(CONVERTER_STAND_IN)
+    spec = importlib.util.spec_from_file_location("stand_in", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(TypeError):  # the upstream line, unpatched, on this folder
+        mod.convert(SimpleNamespace(input_name_or_path=str(hf), output_path=str(tmp_path / "x")))
+
+    monkeypatch.setattr(ne, "QWEN2_CONVERTER", str(script))
+    target = tmp_path / "ck" / "m.nemo"
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml", [f"model.path={target}"])
+
+
+    def run_in_process(cmd):  # `python -m module ...` / `python script ...` as the subprocess would, minus start-up
+        saved = sys.argv
+        try:
+            if cmd[1] == "-m":
+                sys.argv = [cmd[2], *cmd[3:]]
+                runpy.run_module(cmd[2], run_name="__main__")
+            else:
+                sys.argv = cmd[1:]
+                runpy.run_path(cmd[1], run_name="__main__")
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        finally:
+            sys.argv = saved
+        return 0
+
+    assert ne.prepare(cfg, str(hf), run=run_in_process) == 0
+    vocab, tok_class = target.read_text().split()
+    assert int(vocab) == json.loads((hf / "config.json").read_text())["vocab_size"]
+    assert tok_class == "Qwen2TokenizerFast"

@@ -182,3 +182,61 @@ def test_plan_loads_tokenizer_and_renders_first_row(tmp_path, capsys):
     assert preview.endswith(f"[{len(preview.split('   [')[0])} tokens]")  # char tokenizer: one id per char
     assert f"from {hf} ({len(tok)} tokens, eos '<eos>')" in res["build"]["tokenizer"]
     assert any("data.prompt_template = qwen3_easyr1_math differs" in w for w in res["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------- model folder checks
+def _deepseek_like_folder(tmp_path, with_weights=True, tokenizer=True, arch="Qwen2ForCausalLM"):
+    """A tiny Qwen2 checkpoint whose tokenizer is a byte-level BPE with DeepSeek-R1-Distill's chat tokens,
+    shipped as tokenizer.json + tokenizer_config.json only (tests/hf_fixtures.py)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, save_bpe_tokenizer_json_only, save_tiny_qwen2
+
+    hf = Path(save_tiny_qwen2(tmp_path / "hf"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (hf / f).unlink(missing_ok=True)
+    if tokenizer:
+        save_bpe_tokenizer_json_only(hf, DEEPSEEK_R1_DISTILL_SPECIALS, DEEPSEEK_R1_DISTILL_SPECIALS[0])
+    if not with_weights:
+        for w in hf.glob("*.safetensors"):
+            w.unlink()
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"problem": "What is 2+3?", "answer": "5"}]))
+    return hf, [f"data.train_files=[{data}]", f"model.path={tmp_path / 'missing.nemo'}", "rollout.max_new_tokens=1000",
+                "laconic.budget=500"]
+
+
+def test_plan_loads_the_tokenizer_and_lists_single_token_end_strings(tmp_path, capsys):
+    hf, ov = _deepseek_like_folder(tmp_path)
+    assert main(["plan", DEEPSEEK, "--nodes", "1", "--hf-model", str(hf), "--json", *ov]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["conversion_needed"] and out["tokenizer"] == str(hf)
+    assert out["end_strings"] == ["<|endoftext|>", "<｜end▁of▁sentence｜>"]  # no <|im_end|>: not a token here
+
+
+def test_plan_refuses_a_multi_token_end_string(tmp_path, capsys):
+    hf, ov = _deepseek_like_folder(tmp_path)
+    rc = main(["plan", DEEPSEEK, "--nodes", "1", "--hf-model", str(hf), *ov,
+               'nemo.model.reinforce.sampling_params.end_strings=["<|endoftext|>","<|im_end|>"]'])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'<|im_end|>' is not a single token" in err
+    assert "nemo.model.reinforce.sampling_params.end_strings" in err
+
+
+@pytest.mark.parametrize("broken, named", [
+    (dict(with_weights=False), "*.safetensors"),
+    (dict(tokenizer=False), "tokenizer.json"),
+    (dict(arch="Qwen3ForCausalLM"), "config.json"),
+])
+def test_plan_refuses_a_folder_the_converter_cannot_read(tmp_path, capsys, broken, named):
+    hf, ov = _deepseek_like_folder(tmp_path, **broken)
+    assert main(["plan", DEEPSEEK, "--nodes", "1", "--hf-model", str(hf), *ov]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_plan_refuses_vllm_on_separate_gpus(capsys):
+    assert main(["plan", QWEN3, "--nodes", "4", "--skip-path-checks", "rollout.vllm.colocate=false"]) == 2
+    assert "rollout.vllm.colocate" in capsys.readouterr().err

@@ -151,9 +151,10 @@ class MegatronCoreActor:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-        self.model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
-        # Sum (not average) over micro-batches and DP: see the module docstring.
+        # Sum (not average) over micro-batches and DP: see the module docstring. Set BEFORE the DDP wrapper:
+        # megatron-core fixes its gradient scaling factor (1 or 1/DP) from this flag when DDP is built.
         transformer_config.calculate_per_token_loss = True
+        self.model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
         transformer_config.finalize_model_grads_func = lambda chunks, num_tokens=None: finalize_model_grads(
             chunks, None
         )
@@ -303,29 +304,32 @@ class MegatronCoreActor:
         return self.model[0].module
 
     # ------------------------------------------------------------------ helpers
-    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """log p(labels) [b, s] float32 from this rank's vocab shard of the logits [b, s, V/tp] (vocab-parallel
-        cross entropy; padded vocabulary columns excluded).
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(labels) [b, s] float32 at ``temperature`` (softmax of logits / temperature) from this rank's vocab
+        shard of the logits [b, s, V/tp] (vocab-parallel cross entropy; padded vocabulary columns excluded).
 
         Computed in sequence chunks of ``logprob_chunk_size`` positions, so at most one chunk's float32
         copy of the logits exists at a time; with autograd on, each chunk is recomputed in backward
         (activation checkpointing) instead of keeping its float32 softmax."""
         s = logits.shape[1]
         if s <= self.logprob_chunk_size:
-            return self._chunk_logprobs(logits, labels)
+            return self._chunk_logprobs(logits, labels, temperature)
         parts = []
         for a in range(0, s, self.logprob_chunk_size):
             lg, lb = logits[:, a : a + self.logprob_chunk_size], labels[:, a : a + self.logprob_chunk_size]
             if torch.is_grad_enabled() and lg.requires_grad:
-                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, lg, lb, use_reentrant=False))
+                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, lg, lb, temperature,
+                                                               use_reentrant=False))
             else:
-                parts.append(self._chunk_logprobs(lg, lb))
+                parts.append(self._chunk_logprobs(lg, lb, temperature))
         return torch.cat(parts, dim=1)
 
-    def _chunk_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _chunk_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / float(temperature)
         part = logits.shape[-1]
         start = self.tp_rank * part
         if start + part > self.vocab_size:
@@ -478,23 +482,28 @@ class MegatronCoreActor:
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32), identical on every TP/PP rank.
-        Position ``j`` is log p(token j+1 | tokens <= j); it is 0 from each row's end on (j + 1 >= prompt +
-        response length), where nothing is scored."""
+    def logprobs(self, batch: TrainBatch, reference: bool = False, micro_batch_size: int | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32) at ``temperature``, identical on every
+        TP/PP rank. Position ``j`` is log p(token j+1 | tokens <= j); it is 0 from each row's end on (j + 1 >=
+        prompt + response length), where nothing is scored."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         if reference:
             if self._ref_state is None:
                 raise ValueError("reference log-probs need a reference policy (grpo.kl_beta > 0 or reset_reference())")
             if self.reference_on == "device":
                 self._exchange_reference()
                 try:
-                    return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
+                    return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size,
+                                         temperature=temperature)
                 finally:
                     self._exchange_reference()
             saved = self._save_params()
             self._load_params(self._ref_state)
             try:
-                return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size)
+                return self.logprobs(batch, reference=False, micro_batch_size=micro_batch_size,
+                                     temperature=temperature)
             finally:
                 self._load_params(saved)
         n, T = batch.tokens.shape
@@ -510,7 +519,7 @@ class MegatronCoreActor:
             out = model(tok, self._position_ids(*tok.shape), None)
 
             def loss_func(output):
-                logp = self.token_logprobs(output, labels)[:, :-1]
+                logp = self.token_logprobs(output, labels, temperature)[:, :-1]
                 return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logprobs": logp.float()}
 
             return out, loss_func
@@ -549,6 +558,7 @@ class MegatronCoreActor:
         if mbs < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         micro, _ = self._micro_batches(batch, mbs)
+        temperature = float(getattr(loss_fn, "temperature", 1.0))  # log-probs at the loss's temperature
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -560,7 +570,7 @@ class MegatronCoreActor:
             out = model(tok, self._position_ids(*tok.shape), None)
 
             def loss_func(output):
-                logp = self.token_logprobs(output, labels)[:, :-1]
+                logp = self.token_logprobs(output, labels, temperature)[:, :-1]
                 loss, metrics = loss_fn(logp, mb)
                 return loss, torch.tensor(1, dtype=torch.int), metrics
 
@@ -713,7 +723,8 @@ class MegatronCoreActor:
         self._engine_weights_step = None
 
     def _generate_with_engine(self, prompts, sampling) -> GenerationOutput:
-        if self._engine_weights_step != self.step_count:
+        # a colocated engine discards its weights when it sleeps: refit then too, not only after a step
+        if self._engine_weights_step != self.step_count or getattr(self.rollout_engine, "needs_refit", False):
             self.rollout_engine.refit(self.model)
             self._engine_weights_step = self.step_count
         out = self.rollout_engine.generate(prompts, sampling)

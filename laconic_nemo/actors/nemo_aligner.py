@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -60,6 +61,10 @@ from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParam
 
 TARGET_VERSIONS = {"nemo_aligner": "0.7.0", "nemo_toolkit": "2.2.1", "megatron_core": "0.11"}
 SIDECAR = "laconic_state.json"
+# The NeMo checkpoint inside a step folder: save_checkpoint("<folder>/model.ckpt") writes the distributed
+# checkpoint to ckpt_to_dir(...) = "<folder>/model" (NLPDDPStrategy.save_checkpoint), which is also the
+# path its load_checkpoint needs.
+NEMO_CKPT = "model"
 CHECKPOINT_KEY = "laconic_state"
 # Additive metric shares returned by laconic_nemo.grpo.loss.make_grpo_loss_fn.
 LOSS_METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean")
@@ -73,13 +78,21 @@ def loss_scale(num_microbatches: int, dp_size: int) -> float:
     return float(num_microbatches * dp_size)
 
 
-def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists: (tokens LongTensor [n, max_len], lengths LongTensor [n]) as NeMo's ``infer`` takes
-    them in ``{"text": tokens, "length": lengths}``."""
+def pad_prompts(prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to the width NeMo's sampler writes into: (tokens LongTensor
+    [n, max_len + max_new_tokens], lengths LongTensor [n]) as ``infer`` takes them in
+    ``{"text": tokens, "length": lengths}``.
+
+    NeMo's ``sample_sequence_batch`` generates INTO the prompt tensor, up to column
+    ``max(lengths) + max_new_tokens - 1`` (``tokens[:, context_length] = new_tokens``), so the tensor must
+    already hold that many columns; NeMo-Aligner's own collate pads the same way
+    (``batch_pad_to_fixed_len(texts, batch_max_length + response_token_length, eos_id)``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    tokens = torch.full((len(prompts), int(lengths.max())), int(pad_id), dtype=torch.long)
+    tokens = torch.full((len(prompts), int(lengths.max()) + int(max_new_tokens)), int(pad_id), dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     return tokens, lengths
@@ -87,7 +100,7 @@ def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def nemo_rollout_to_generation_output(response_tokens: torch.Tensor, response_lengths: torch.Tensor,
                                       prompt_lengths: torch.Tensor, is_end: torch.Tensor,
-                                      max_new_tokens: int) -> GenerationOutput:
+                                      max_new_tokens: int, pad_id: int | None = None) -> GenerationOutput:
     """Convert the rollout of ``MegatronGPTReinforceActorModel.infer`` to the interface's layout.
 
     response_tokens: [n, T] prompt + response (NeMo pads with EOS).
@@ -96,9 +109,15 @@ def nemo_rollout_to_generation_output(response_tokens: torch.Tensor, response_le
     is_end: [n] bool, True when the sample ended on EOS / an end string (and produced valid tokens).
     Returns tokens, prompt_lengths, response_lengths = generated tokens (EOS counted), lengths L
     (EOS excluded; a sample that did not end counts every generated token) and truncated (no end
-    and ``max_new_tokens`` generated).
+    within ``max_new_tokens``).
+
+    NeMo's batch sampler runs every row until ``max(prompt_lengths) + max_new_tokens``, so a row with a
+    shorter prompt can generate more than ``max_new_tokens`` tokens (NeMo-Aligner notes this in
+    ``megatron_gpt_reinforce_actor.py``). Such a row is cut at ``max_new_tokens``: it counts as truncated
+    (L = max_new_tokens, even if it ended later); the response mask and the decoded text stop at the cut,
+    and the tokens after it are overwritten with ``pad_id`` when one is given.
     """
-    response_tokens = torch.as_tensor(response_tokens).long().cpu()
+    response_tokens = torch.as_tensor(response_tokens).long().cpu().clone()
     total = torch.as_tensor(response_lengths).long().cpu()
     prompt = torch.as_tensor(prompt_lengths).long().cpu()
     ended = torch.as_tensor(is_end).bool().cpu()
@@ -107,8 +126,15 @@ def nemo_rollout_to_generation_output(response_tokens: torch.Tensor, response_le
     generated = total - prompt
     if bool((generated < 0).any()) or bool((total > response_tokens.shape[1]).any()):
         raise ValueError("response_lengths must lie between prompt_lengths and the token width")
+    cap = int(max_new_tokens)
+    over = generated > cap
+    ended = ended & ~over
+    generated = torch.where(over, torch.full_like(generated, cap), generated)
+    if pad_id is not None:
+        for i in torch.nonzero(over).flatten().tolist():
+            response_tokens[i, int(prompt[i]) + cap :] = int(pad_id)
     lengths = generated - ended.long()
-    truncated = (~ended) & (generated >= int(max_new_tokens))
+    truncated = (~ended) & (generated >= cap)
     return GenerationOutput(tokens=response_tokens, prompt_lengths=prompt, response_lengths=generated,
                             lengths=lengths.clamp(min=0), truncated=truncated)
 
@@ -211,6 +237,21 @@ def actor_model_class():
         laconic_loss_fn: LossFn | None = None
         laconic_state: dict[str, Any] | None = None           # written into checkpoints
         restored_laconic_state: dict[str, Any] | None = None  # read back by on_load_checkpoint
+        laconic_logprob_temperature: float = 1.0              # get_inference_log_probs at this temperature
+
+        def get_logprob_output_only_func(self, inference_only=True):
+            """NeMo-Aligner's log-prob forward function, fed ``logits / laconic_logprob_temperature`` (the
+            rollout temperature: old and reference log-probs of the distribution that was sampled)."""
+            inner = super().get_logprob_output_only_func(inference_only=inference_only)
+            temperature = float(self.laconic_logprob_temperature)
+            if temperature == 1.0:
+                return inner
+
+            def log_prob_output_only_func(dataloader_iter, model):
+                output_tensor, id_func = inner(dataloader_iter, model)
+                return output_tensor, lambda out, non_loss_data=True: id_func(out / temperature, non_loss_data)
+
+            return log_prob_output_only_func
 
         def reset_laconic_metrics(self):
             self._laconic_metric_sums = torch.zeros(len(LOSS_METRICS), dtype=torch.float64)
@@ -233,9 +274,12 @@ def actor_model_class():
                 def loss_func(parallel_logits):
                     if self.laconic_loss_fn is None:
                         raise RuntimeError("set laconic_loss_fn before get_loss_and_metrics")
-                    # [b, s, V/TP] -> [b, s-1] log-probs of the next tokens, all-reduced over TP
+                    # [b, s, V/TP] -> [b, s-1] log-probs of the next tokens at the loss's temperature
+                    # (the rollout temperature, grpo/loss.py), all-reduced over TP
+                    temperature = float(getattr(self.laconic_loss_fn, "temperature", 1.0))
+                    logits = parallel_logits if temperature == 1.0 else parallel_logits / temperature
                     logprobs = from_parallel_logits_to_logprobs(
-                        vocab_parallel_logits=parallel_logits, target=batch["response_tokens"], higher_stability=True
+                        vocab_parallel_logits=logits, target=batch["response_tokens"], higher_stability=True
                     )
                     loss, metrics = self.laconic_loss_fn(logprobs, nemo_to_train_batch(batch))
                     self._laconic_metric_sums += torch.tensor([float(metrics.get(k, 0.0)) for k in LOSS_METRICS],
@@ -310,11 +354,12 @@ class NemoAlignerActor:
         m.prepare_for_inference()
         try:
             for start in range(0, len(prompts), chunk):
-                tokens, lengths = pad_prompts(prompts[start : start + chunk], self.pad_id)
+                tokens, lengths = pad_prompts(prompts[start : start + chunk], self.pad_id,
+                                              int(sampling.max_new_tokens))
                 r = m.infer({"text": tokens, "length": lengths})
                 outs.append(nemo_rollout_to_generation_output(r["response_tokens"], r["response_lengths"],
                                                               r["prompt_lengths"], r["is_end"],
-                                                              int(sampling.max_new_tokens)))
+                                                              int(sampling.max_new_tokens), self.pad_id))
         finally:
             m.finish_inference()
         width = max(o.tokens.shape[1] for o in outs)
@@ -325,13 +370,17 @@ class NemoAlignerActor:
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [N, T-1] at ``temperature`` (log_softmax(logits / temperature))."""
         from nemo_aligner.utils.train_utils import set_eval, set_train
 
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         m = self.model
         tokens = batch.tokens.long().cuda()
         saved = m.forward_micro_batch_size
         m.forward_micro_batch_size = largest_divisor_at_most(tokens.shape[0], int(saved))
+        m.laconic_logprob_temperature = float(temperature)
         set_eval(m)
         try:
             if reference:
@@ -340,6 +389,7 @@ class NemoAlignerActor:
                 out = m.get_inference_log_probs(tokens)
         finally:
             m.forward_micro_batch_size = saved
+            m.laconic_logprob_temperature = 1.0
             set_train(m)
         return out.float().cpu()
 
@@ -389,18 +439,29 @@ class NemoAlignerActor:
     # ------------------------------------------------------------------ checkpoints
     def save_sharded_checkpoint(self, folder: str | Path, laconic_state: dict[str, Any]) -> str:
         """Collective (every rank): NeMo distributed checkpoint of model + optimiser + scheduler into
-        ``folder/model`` plus the sidecar ``folder/laconic_state.json``; returns the folder."""
+        ``folder/model`` plus the sidecar ``folder/laconic_state.json``; returns the folder.
+
+        Written into ``<folder>.tmp`` (cleared first) and renamed when complete, replacing an older
+        ``folder``: megatron-core refuses to save into a non-empty checkpoint directory
+        (``dist_checkpointing.save``: "Checkpoint destination directory ... is not empty"), which an
+        interrupted save of the same step would otherwise leave behind."""
         folder = Path(folder)
+        tmp = folder.with_name(folder.name + ".tmp")
         rank = torch.distributed.get_rank()
         self.model.laconic_state = dict(laconic_state)
         self.model.prepare_for_training()  # Adam states back on the GPU before they are written
         if rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
         torch.distributed.barrier()
-        self.model.trainer.save_checkpoint(str(folder / "model.ckpt"))
+        self.model.trainer.save_checkpoint(str(tmp / f"{NEMO_CKPT}.ckpt"))
         torch.distributed.barrier()
         if rank == 0:
-            write_sidecar(folder, laconic_state)
+            write_sidecar(tmp, laconic_state)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
         torch.distributed.barrier()
         self.model.finish_training()
         self._last_saved = str(folder)

@@ -108,6 +108,8 @@ class TrainBatch:
 
 # A loss over one micro-batch: (per-token log-probs [n, T-1] of the current policy, the micro-batch)
 # -> (scalar loss already divided by its share of the GLOBAL normaliser, dict of float metrics).
+# Its attribute ``temperature`` (default 1.0 when absent) is the temperature the actor computes those
+# log-probs at (log_softmax(logits / temperature)).
 # The actor sums the gradients of all micro-batches and all data-parallel ranks (SUM, not mean),
 # so a loss normalised by a global count yields exactly the global-batch objective.
 LossFn = Callable[[torch.Tensor, TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
@@ -124,9 +126,10 @@ class PolicyActor(Protocol):
         """Sample one response per prompt (this DP rank's prompts). Returns CPU tensors."""
         ...
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """Per-token log-probs [N, T-1] of ``batch.tokens`` under the current (or reference) policy,
-        computed from vocab-parallel logits; identical on every TP/PP rank of the DP group."""
+    def logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs [N, T-1] of ``batch.tokens`` under the current (or reference) policy at
+        ``temperature`` (log_softmax(logits / temperature)), computed from vocab-parallel logits;
+        identical on every TP/PP rank of the DP group."""
         ...
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:

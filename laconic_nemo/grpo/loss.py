@@ -10,6 +10,13 @@ optimiser minibatch (tokens or sequences over all micro-batches and all DP ranks
 gradients over micro-batches and DP ranks, so the total gradient is exactly the gradient of the
 global objective. The returned metrics follow the same rule: every metric is this micro-batch's
 share of a global mean, so the actor SUMS metrics over micro-batches and DP ranks.
+
+Temperature: a loss function carries the attribute ``temperature``; the actor computes the log-probs it is
+fed from ``logits / temperature``. The GRPO loss uses the rollout temperature, so the importance ratio
+and the KL compare the distribution the responses were sampled from (as in verl's ``dp_actor.py``,
+which divides the logits by ``temperature`` for old, new and reference log-probs alike); the old and
+reference log-probs must be computed at the same temperature (``PolicyActor.logprobs(...,
+temperature=...)``). The SFT loss uses temperature 1.
 """
 
 from __future__ import annotations
@@ -143,17 +150,22 @@ def make_grpo_loss_fn(
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
     clip_dual: float | None = None,
+    temperature: float = 1.0,
 ) -> LossFn:
     """GRPO loss over one micro-batch (see module docstring for the global normalisation).
 
     clip_eps / clip_eps_high / kl_beta / clip_dual: as in :func:`grpo_token_loss`.
     global_num_tokens: response tokens (mask sum) of the whole optimiser minibatch over ALL DP ranks.
     global_num_seqs: sequences of that minibatch over ALL DP ranks (seq_mean_token_mean).
+    temperature: > 0, the sampling temperature; set as ``loss_fn.temperature`` for the actor, which computes
+    the log-probs from ``logits / temperature`` (see the module docstring).
     The returned function maps (logprobs [n, T-1], TrainBatch) to (scalar loss, metrics) where metrics
     are this micro-batch's additive shares of: "loss", "pg_loss" (surrogate only), "kl" (mean k3),
     "clip_fraction" and "ratio_mean" (token means over the global minibatch).
     """
     _check_counts(global_num_tokens, global_num_seqs, aggregation)
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        raise ValueError(f"temperature must be > 0 (rollout.temperature), got {temperature}")
     if global_num_seqs is None:
         global_num_seqs = 1.0
 
@@ -184,6 +196,7 @@ def make_grpo_loss_fn(
             }
         return loss, metrics
 
+    loss_fn.temperature = float(temperature)
     return loss_fn
 
 
@@ -202,4 +215,5 @@ def make_sft_loss_fn(global_num_tokens: float) -> LossFn:
         loss = -(logprobs * mask).sum() / global_num_tokens
         return loss, {"loss": float(loss.detach())}
 
+    loss_fn.temperature = 1.0
     return loss_fn

@@ -216,9 +216,11 @@ class GRPOTrainer:
             advantages=advantages.float(),
         )
         with timer("logprobs"):
-            batch.old_logprobs = self.actor.logprobs(batch) * batch.response_mask
+            # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
+            temp = float(self.cfg.rollout.temperature)
+            batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
             if float(self.cfg.grpo.kl_beta) > 0:
-                batch.ref_logprobs = self.actor.logprobs(batch, reference=True) * batch.response_mask
+                batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
         with timer("policy_update"):
             update_metrics = self._policy_update(batch)
@@ -256,6 +258,7 @@ class GRPOTrainer:
                 **loss_settings(self.cfg),
                 global_num_tokens=max(float(counts[0]), 1.0),
                 global_num_seqs=float(counts[1]),
+                temperature=float(self.cfg.rollout.temperature),
             )
             out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
             for k, v in out.items():

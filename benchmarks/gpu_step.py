@@ -195,6 +195,28 @@ def time_train(actor, batch, device, steps: int) -> dict:
     return {"s_per_step": dt, "peak_gib": peak}
 
 
+def reference_placements(actor, arch, prompt_len: int, max_resp: int, device, add) -> None:
+    """Reference log-probs (``grpo.kl_beta > 0``) with pi_ref's weights on the device (swapped by pointer),
+    in pinned host memory (async copies) and in pageable host memory: seconds per pass over 8 rows, and the
+    largest difference to the device placement (0: the same weights, the same computation)."""
+    batch = train_batch(arch, 8, prompt_len, max_resp // 2, seed=3)
+    placements = ("device", "pinned", "cpu") if device.type == "cuda" else ("device", "cpu")
+    first = None
+    for where in placements:
+        actor.reference_on = where
+        actor.reset_reference()
+        actor.logprobs(batch, reference=True)  # warm-up
+        sync(device)
+        t = time.perf_counter()
+        lp = actor.logprobs(batch, reference=True)
+        sync(device)
+        dt = time.perf_counter() - t
+        first = lp if first is None else first
+        add("reference", f"pi_ref weights on {where}", f"{dt:.2f} s per pass (8 rows)",
+            f"max |diff| to {placements[0]} {float((lp - first).abs().max()):.1e}", "-")
+    actor._ref_state = None
+
+
 def padding_share(batch, mbs: int, sort: bool) -> float:
     """Share of the processed token positions that are padding, for micro-batches of ``mbs`` rows."""
     ends = (batch.prompt_lengths + batch.response_lengths).tolist()
@@ -222,7 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute-layers", default="all",
                     help="GPU: comma list of settings to train with, each a number of layers whose activations are "
                          "recomputed in backward (all = every layer; 0 = none); e.g. all,14")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: rollout,hf,local,local-rollout,train")
+    ap.add_argument("--skip", default="",
+                    help="comma list of sections to skip: rollout,hf,local,local-rollout,train,reference")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -329,6 +352,8 @@ def main(argv=None) -> int:
                 add("train", label, f"{r['s_per_step']:.2f} s/step, peak {r['peak_gib']:.1f} GiB, "
                     f"padding {100 * pad:.1f}%", f"{tps:,.0f} tok/s", extra)
                 free()
+        if attention == "sdpa" and "reference" not in skip:
+            reference_placements(actor, arch, prompt_len, max_resp, device, add)
         actor = None
         free()
 

@@ -10,7 +10,7 @@ paths on a stand-in model whose next token is EOS exactly at each row's length:
 
 * rollout: positions fed to the model by ``sample_on_device`` per rollout, without row compaction (every row
   runs to the longest) and with it (``rollout.compact``, checked every ``sync_every`` steps); useful = each
-  row's prompt + response;
+  row's prompt + response but its last token (which is sampled, never fed);
 * training: positions of the micro-batches the actor builds (``MegatronCoreActor._micro_batches``) for a
   minibatch, fixed width ``[mbs, T]`` vs length-sorted micro-batches cut to their longest row
   (``grpo.sort_by_length``); useful = each row's prompt + response.
@@ -37,11 +37,11 @@ from laconic_nemo.rollout.megatron_sampler import sample_on_device  # noqa: E402
 EOS = 0
 
 
-def draw_lengths(n: int, group: int, max_new: int, seed: int) -> tuple[list[int], list[int]]:
+def draw_lengths(n: int, group: int, max_new: int, seed: int, median: float) -> tuple[list[int], list[int]]:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(60, 301, (n // group,), generator=g).repeat_interleave(group)
-    resp = torch.exp(torch.randn(n, generator=g) * 0.7 + torch.log(torch.tensor(1500.0)))
-    resp = resp.clamp(150, max_new).round().long()
+    resp = torch.exp(torch.randn(n, generator=g) * 0.7 + torch.log(torch.tensor(float(median))))
+    resp = resp.clamp(min(150, max_new // 4), max_new).round().long()
     return prompts.tolist(), resp.tolist()
 
 
@@ -74,7 +74,8 @@ def rollout_work(prompt_lens, resp_lens, max_new, compact: bool, sync_every: int
                                compact=model.keep if compact else None, sync_every=sync_every)
         assert out.response_lengths.tolist() == [min(r + 1, max_new) for r in R]  # r tokens, then EOS
         fed += model.fed
-    useful = sum(p + min(r + 1, max_new) for p, r in zip(prompt_lens, resp_lens))
+    # every position but the last generated token has to be fed once
+    useful = sum(p + min(r + 1, max_new) - 1 for p, r in zip(prompt_lens, resp_lens))
     return fed, useful
 
 
@@ -103,9 +104,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=8, help="rollout.sync_every")
     ap.add_argument("--micro-batch", type=int, default=4, help="grpo.micro_batch_size")
     ap.add_argument("--minibatch", type=int, default=64, help="rows per optimiser step on one DP rank")
+    ap.add_argument("--median", type=float, default=1500.0, help="median response length (tokens)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    prompts, resp = draw_lengths(args.rows, args.group, args.max_new, args.seed)
+    prompts, resp = draw_lengths(args.rows, args.group, args.max_new, args.seed, args.median)
     trunc = sum(r >= args.max_new for r in resp) / len(resp)
     print(f"# {args.rows} responses: mean {sum(resp) / len(resp):.0f} tokens, min {min(resp)}, max {max(resp)}, "
           f"{100 * trunc:.0f}% at L_max = {args.max_new}; prompts 60-300 tokens")

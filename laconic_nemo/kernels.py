@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 ATTENTION_CHOICES = ("auto", "local", "sdpa", "te")  # model.attention
 SAMPLER_CHOICES = ("auto", "exact", "device")  # rollout.sampler; auto: device on GPU, exact on CPU
-REFERENCE_CHOICES = ("auto", "device", "pinned", "cpu")  # grpo.reference_on; auto: device on GPU, cpu on CPU
+REFERENCE_CHOICES = ("auto", "device", "pinned", "cpu")  # grpo.reference_on; auto: device
 
 
 def transformer_engine_available() -> bool:

@@ -63,7 +63,7 @@ def test_count_eos_reaches_the_shaper_and_the_dual_step():
             tokens = torch.ones(n, 2 + int(resp.max()), dtype=torch.long)
             return GenerationOutput(tokens, torch.full((n,), 2), resp, lengths, truncated)
 
-        def logprobs(self, batch, reference=False):
+        def logprobs(self, batch, reference=False, temperature=1.0):
             return torch.zeros(batch.response_mask.shape)
 
         def train_step(self, mb, loss_fn, micro):

@@ -134,10 +134,9 @@ class MegatronCoreActor:
             raise ValueError(f"grpo.logprob_chunk_size must be >= 1, got {logprob_chunk_size}")
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.sort_by_length = bool(sort_by_length)
-        self.reference_on = resolve_choice("grpo.reference_on", reference_on, REFERENCE_CHOICES,
-                                           "device" if on_gpu else "cpu")
-        if self.reference_on in ("device", "pinned") and not on_gpu:
-            raise ValueError(f"grpo.reference_on={reference_on} needs a GPU; use cpu or auto")
+        self.reference_on = resolve_choice("grpo.reference_on", reference_on, REFERENCE_CHOICES, "device")
+        if self.reference_on == "pinned" and not on_gpu:
+            raise ValueError("grpo.reference_on=pinned needs a GPU (pinned host memory); use device, cpu or auto")
         self.step_count = 0
 
         from megatron.core import parallel_state

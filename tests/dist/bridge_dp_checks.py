@@ -78,8 +78,12 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
     res: dict = {"dp_size": actor.dp_size, "calculate_per_token_loss": bool(actor.config.calculate_per_token_loss)}
 
     ref_lp = reference_logprobs(hf64, batch.tokens, TEMP)
-    res["logprob_err"] = float((actor.logprobs(local, temperature=TEMP).double() - ref_lp[rows].detach()).abs().max())
-    res["logprob_t1_gap"] = float((actor.logprobs(local).double() - ref_lp[rows].detach()).abs().max())
+    # positions up to each row's end (prompt + response); the actor's log-probs are 0 past it
+    ends = (local.prompt_lengths + local.response_lengths).unsqueeze(1)
+    inside = torch.arange(1, batch.tokens.shape[1]).unsqueeze(0) < ends
+    res["logprob_err"] = float(((actor.logprobs(local, temperature=TEMP).double() - ref_lp[rows].detach())
+                                * inside).abs().max())
+    res["logprob_t1_gap"] = float(((actor.logprobs(local).double() - ref_lp[rows].detach()) * inside).abs().max())
 
     def loss_fn():
         return make_grpo_loss_fn(0.2, 0.28, 0.0, str(cfg.grpo.loss_aggregation),

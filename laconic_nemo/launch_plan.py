@@ -243,12 +243,15 @@ def default_mounts() -> str:
 
 
 def srun_prefix(nodes: int, ntasks_per_node: int, container: str, mounts: str, gpus_per_node: int | None = None) -> str:
-    """The pyxis srun prefix, flag for flag as launch/submit.sh writes it (minus its --output/--label)."""
+    """The pyxis srun prefix, flag for flag as launch/submit.sh writes it (minus its --output/--label).
+    ``container="none"``: launch/submit.sh's container-less mode, the same line without the --container-* flags."""
     parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}"]
     if gpus_per_node is not None:
         parts.append(f"--gpus-per-node={gpus_per_node}")
-    parts += [f"--container-image={container}", f"--container-mounts={mounts}", "--no-container-mount-home",
-              f"--container-workdir={DEFAULT_REPO_IN_CONTAINER}", "--export=ALL"]
+    if container != "none":
+        parts += [f"--container-image={container}", f"--container-mounts={mounts}", "--no-container-mount-home",
+                  f"--container-workdir={DEFAULT_REPO_IN_CONTAINER}"]
+    parts.append("--export=ALL")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -316,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-model", default=os.environ.get("HF_MODEL") or None,
                    help="HF checkpoint converted to model.path when the .nemo is missing (env HF_MODEL)")
     p.add_argument("--container", default=os.environ.get("CONTAINER", DEFAULT_CONTAINER),
-                   help="container image (env CONTAINER)")
+                   help="container image (env CONTAINER); none: no pyxis, as launch/submit.sh with CONTAINER=none")
     p.add_argument("--mounts", default=os.environ.get("MOUNTS") or default_mounts(),
                    help="pyxis container mounts (env MOUNTS; default derived as in launch/submit.sh)")
     p.add_argument("--skip-path-checks", action="store_true",

@@ -288,6 +288,9 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     if resume is not None:
         ptl_trainer.ckpt_path = str(nemo_checkpoint_dir(resume))
     init_distributed(ptl_trainer, model, ncfg.model.get("transformer_engine", False))
+    from laconic_nemo.grpo.run_lock import hold_output_dir
+
+    lock = hold_output_dir(cfg.run.output_dir, torch.distributed.get_rank())  # rank 0 holds it; raises on all ranks
 
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
     from megatron.core import parallel_state as mps
@@ -305,10 +308,14 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
 
     trainer = _nemo_trainer_class()(cfg, actor, tok.text_to_ids, lambda ids: tok.ids_to_text(list(ids)),
                                     [(i.prompt, i.answer) for i in items], reward_fn, tok.eos_id)
-    status = trainer.fit()
-    if status == "finished":
-        export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
-        model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
+    try:
+        status = trainer.fit()
+        if status == "finished":
+            export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
+            model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
+    finally:
+        if lock is not None:
+            lock.release()
     return 0 if status == "finished" else 3
 
 
@@ -331,13 +338,20 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("SLURM_PROCID", "0")) != 0:
             return 0
         return prepare(cfg, args.hf_model)
+    from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free
+
+    try:  # every rank, before anything is loaded: another live run holds run.output_dir
+        check_free(cfg.run.output_dir)
+    except OutputDirLocked as exc:
+        print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+        return 2
     if cfg.model.source != "nemo":
         from laconic_nemo.grpo.train_cli import train
 
         return train(cfg)
     try:
         return train_nemo(cfg, nemo_ov)
-    except EndStringError as exc:
+    except (EndStringError, OutputDirLocked) as exc:  # OutputDirLocked: a run that started at the same time took it first
         print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
         return 2
 

@@ -9,14 +9,22 @@
 #   2. prepare  convert the HF checkpoint to .nemo when model.path is missing (NeMo-Aligner recipes)
 #   3. train    one task per GPU; resumes from the latest checkpoint in run.output_dir
 # Preemption: Slurm sends SIGUSR1 to this shell (--signal=B:USR1@...) or SIGTERM; the trap forwards
-# SIGUSR1 to the training step, the trainer checkpoints at the end of the current step and exits,
-# then this script requeues the job, which resumes from that checkpoint.
+# SIGUSR1 to the training step, the trainer checkpoints at the end of the current step and exits with
+# code 3, then this script requeues the job, which resumes from that checkpoint. Only exit code 3
+# requeues (a crash, even after a signal, ends the job), and at most MAX_REQUEUES times per job.
 #
 # Environment (defaults in brackets):
 #   RECIPE (required), HF_MODEL [none]: HF checkpoint (container path) converted when the .nemo is missing
 #   CONTAINER [/lustre/containers/laconic-nemo-25.02.sqsh], DATA_DIR [/lustre/data],
 #   CKPT_DIR [/lustre/checkpoints], RESULTS_DIR [/lustre/results], MOUNTS [derived from those],
-#   GPUS_PER_NODE [8], EXTRA_OVERRIDES [none]: extra key=value overrides, DRY_RUN [0]
+#   GPUS_PER_NODE [the allocation's SLURM_GPUS_ON_NODE; outside Slurm the #SBATCH --gpus-per-node line, else 8],
+#   MAX_REQUEUES [20], EXTRA_OVERRIDES [none]: extra key=value overrides, DRY_RUN [0]
+# CONTAINER=none runs every step without pyxis, in the submitting environment (python with this package
+# on its PATH, the repository at REPO_DIR, host paths in the recipe): the srun lines lose only their
+# --container-* flags. tests/slurm submits this way on a machine without pyxis.
+# Inside the container HOME, XDG_CACHE_HOME and TRITON_CACHE_DIR point at /results/<recipe>/home (the
+# host's home is not mounted) and PYTHONPATH is the repository mount alone (no host value leaks in).
+# All bash here works on bash >= 4.2 (empty arrays under `set -u` are expanded as ${A[@]+"${A[@]}"}).
 set -euo pipefail
 
 : "${RECIPE:?RECIPE must name a recipe, e.g. recipes/deepseek_1.5b_b1500.yaml}"
@@ -32,27 +40,49 @@ MOUNTS="${MOUNTS:-${DATA_DIR}:/data,${CKPT_DIR}:/checkpoints,${RESULTS_DIR}:/res
 # The node count comes from the allocation; outside Slurm (dry run) from the wrapper's #SBATCH line.
 NODES="${SLURM_JOB_NUM_NODES:-$(sed -n 's/^#SBATCH --nodes=\([0-9]*\).*/\1/p' "$0" | sed -n '1p')}"
 NODES="${NODES:-1}"
+# GPUs per node: the allocation's (SLURM_GPUS_ON_NODE, from --gpus-per-node) wins over the environment, so
+# editing the #SBATCH line alone changes plan and train together; outside Slurm the wrapper's #SBATCH line.
+if [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
+    if [ -n "${GPUS_PER_NODE:-}" ] && [ "${GPUS_PER_NODE}" != "${SLURM_GPUS_ON_NODE}" ]; then
+        echo "laconic-nemo: GPUS_PER_NODE=${GPUS_PER_NODE} ignored: the allocation has ${SLURM_GPUS_ON_NODE} GPUs per node" >&2
+    fi
+    GPUS_PER_NODE="${SLURM_GPUS_ON_NODE}"
+fi
+GPUS_PER_NODE="${GPUS_PER_NODE:-$(sed -n 's/^#SBATCH --gpus-per-node=\([0-9]*\).*/\1/p' "$0" | sed -n '1p')}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+if ! [[ "${GPUS_PER_NODE}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "laconic-nemo: GPUS_PER_NODE = '${GPUS_PER_NODE}': expected a whole number >= 1" >&2
+    exit 2
+fi
 JOB_ID="${SLURM_JOB_ID:-dryrun}"
 RESTART="${SLURM_RESTART_COUNT:-0}"
+MAX_REQUEUES="${MAX_REQUEUES:-20}"
+if ! [[ "${MAX_REQUEUES}" =~ ^[0-9]+$ ]]; then
+    echo "laconic-nemo: MAX_REQUEUES = '${MAX_REQUEUES}': expected a whole number >= 0" >&2
+    exit 2
+fi
+PREEMPTED_EXIT=3   # the trainer's exit code after a signal-triggered checkpoint (laconic_nemo.nemo_entry)
 RUN_NAME="$(basename "${RECIPE}" .yaml)"
 # run.output_dir of the recipes is /results/${run.name}: the same folder seen from the host.
 JOB_LOG_DIR="${RESULTS_DIR}/${RUN_NAME}/logs/job_${JOB_ID}_restart${RESTART}"
 read -r -a OVERRIDES <<< "${EXTRA_OVERRIDES:-}"
 
 first_host() {
+    local list="${SLURM_JOB_NODELIST:-localhost}" host=""
     if command -v scontrol > /dev/null 2>&1 && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
         # sed reads all input (head would close the pipe early: SIGPIPE fails the pipeline under pipefail)
-        scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed -n '1p'
-    else
-        # dry run away from Slurm: the first host of a list such as "node[01-04,07],gpu3" or "a,b"
-        local list="${SLURM_JOB_NODELIST:-localhost}"
+        host="$(scontrol show hostnames "${list}" 2> /dev/null | sed -n '1p')" || host=""
+    fi
+    if [ -z "${host}" ]; then
+        # dry run away from Slurm (or scontrol without a cluster config): the first host of a list such as
+        # "node[01-04,07],gpu3" or "a,b"
         if [[ "${list}" =~ ^([^,\[]+)\[([0-9]+) ]]; then
-            echo "${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
+            host="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
         else
-            echo "${list%%,*}"
+            host="${list%%,*}"
         fi
     fi
+    echo "${host}"
 }
 
 export MASTER_ADDR
@@ -70,12 +100,25 @@ export TORCH_NCCL_AVOID_RECORD_STREAMS="${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export PYTHONPATH="${REPO_IN_CONTAINER}${PYTHONPATH:+:${PYTHONPATH}}"
 export PYTHONUNBUFFERED=1
 export HF_MODEL
 
-SRUN_CONTAINER=(--container-image="${CONTAINER}" --container-mounts="${MOUNTS}" --no-container-mount-home
-                --container-workdir="${REPO_IN_CONTAINER}" --export=ALL)
+if [ "${CONTAINER}" = "none" ]; then
+    # No pyxis: the tasks start in REPO_DIR (what --container-workdir does) with the submitting environment.
+    SRUN_CONTAINER=(--export=ALL)
+    cd "${REPO_DIR}"
+else
+    SRUN_CONTAINER=(--container-image="${CONTAINER}" --container-mounts="${MOUNTS}" --no-container-mount-home
+                    --container-workdir="${REPO_IN_CONTAINER}" --export=ALL)
+    # pyxis copies the job's environment into the container (values the image sets itself take precedence):
+    # the repository mount alone on PYTHONPATH, and a writable home and caches under the run folder, since
+    # --no-container-mount-home leaves HOME at a host path that does not exist inside.
+    export PYTHONPATH="${REPO_IN_CONTAINER}"
+    export HOME="/results/${RUN_NAME}/home"
+    export XDG_CACHE_HOME="${HOME}/.cache"
+    export TRITON_CACHE_DIR="${XDG_CACHE_HOME}/triton"
+    HOST_HOME_DIR="${RESULTS_DIR}/${RUN_NAME}/home"
+fi
 
 run() {
     if [ "${DRY_RUN}" = "1" ]; then
@@ -102,24 +145,24 @@ trap 'forward_signal TERM' TERM
 
 echo "laconic-nemo: recipe ${RECIPE}, ${NODES} nodes x ${GPUS_PER_NODE} GPUs, job ${JOB_ID} (restart ${RESTART})"
 echo "laconic-nemo: master ${MASTER_ADDR}:${MASTER_PORT}, logs ${JOB_LOG_DIR}"
-run mkdir -p "${JOB_LOG_DIR}"
+run mkdir -p "${JOB_LOG_DIR}" ${HOST_HOME_DIR:+"${HOST_HOME_DIR}/.cache/triton"}
 
 # 1. plan: validate recipe and layout inside the container (paths as the job sees them).
 run srun --nodes=1 --ntasks-per-node=1 "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/plan.log" \
     python -m laconic_nemo plan "${RECIPE}" --nodes="${NODES}" --gpus-per-node="${GPUS_PER_NODE}" \
-    ${HF_MODEL:+--hf-model="${HF_MODEL}"} "${OVERRIDES[@]}"
+    ${HF_MODEL:+--hf-model="${HF_MODEL}"} ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 
 # 2. prepare: HF -> .nemo conversion when the recipe's .nemo checkpoint is missing (rank 0 only).
 if [ -n "${HF_MODEL}" ]; then
     run srun --nodes=1 --ntasks-per-node=1 --gpus-per-node=1 "${SRUN_CONTAINER[@]}" \
         --output="${JOB_LOG_DIR}/prepare.log" \
-        python -m laconic_nemo.nemo_entry --prepare --hf-model="${HF_MODEL}" "${RECIPE}" "${OVERRIDES[@]}"
+        python -m laconic_nemo.nemo_entry --prepare --hf-model="${HF_MODEL}" "${RECIPE}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 fi
 
 # 3. train: one task per GPU (RANK / WORLD_SIZE / LOCAL_RANK mapped from Slurm by launch/torch_env.sh).
 #    laconic_nemo.nemo_entry reads the recipe: model.source nemo runs the NeMo-Aligner actor (PyTorch
 #    Lightning reads the Slurm layout), hf runs the megatron-core actor; both drive the same trainer.
-TRAIN_CMD=(bash launch/torch_env.sh python -m laconic_nemo.nemo_entry "${RECIPE}" "${OVERRIDES[@]}")
+TRAIN_CMD=(bash launch/torch_env.sh python -m laconic_nemo.nemo_entry "${RECIPE}" ${OVERRIDES[@]+"${OVERRIDES[@]}"})
 set +e
 if [ "${DRY_RUN}" = "1" ]; then
     run srun --nodes="${NODES}" --ntasks-per-node="${GPUS_PER_NODE}" --gpus-per-node="${GPUS_PER_NODE}" \
@@ -139,11 +182,22 @@ else
 fi
 set -e
 
-# Exit code 3 = the trainer stopped on a signal after writing a checkpoint.
-if [ "${PREEMPTED}" = "1" ] || [ "${STATUS}" = "3" ]; then
-    echo "laconic-nemo: preempted (status ${STATUS}); requeueing job ${JOB_ID} to resume from the latest checkpoint"
+# Exit code 3 = the trainer stopped on a signal after writing a checkpoint: the only status that requeues.
+if [ "${STATUS}" = "${PREEMPTED_EXIT}" ]; then
+    if [ "${RESTART}" -ge "${MAX_REQUEUES}" ]; then
+        echo "laconic-nemo: preempted (status ${STATUS}) but job ${JOB_ID} was already requeued ${RESTART} times" \
+             "(MAX_REQUEUES=${MAX_REQUEUES}): not requeueing; resubmit to resume from the latest checkpoint"
+        exit "${STATUS}"
+    fi
+    echo "laconic-nemo: preempted (status ${STATUS}); requeueing job ${JOB_ID} (requeue $((RESTART + 1)) of at most" \
+         "${MAX_REQUEUES}) to resume from the latest checkpoint"
+    trap '' USR1 TERM   # `scontrol requeue` sends this shell SIGTERM: nothing left to forward, finish cleanly
     run scontrol requeue "${JOB_ID}"
     exit 0
+fi
+if [ "${PREEMPTED}" = "1" ]; then
+    echo "laconic-nemo: training exited with status ${STATUS} after the signal, not ${PREEMPTED_EXIT}" \
+         "(no checkpoint confirmed): not requeueing"
 fi
 echo "laconic-nemo: training exited with status ${STATUS}"
 exit "${STATUS}"

@@ -4,6 +4,7 @@ requeues; shellcheck is clean."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -75,16 +76,18 @@ def test_dry_run_without_slurm_reads_nodes_from_sbatch_header_and_skips_prepare_
     assert "launch/torch_env.sh" in sruns[-1]
 
 
-def _fake_bin(tmp_path: Path) -> Path:
-    """Fake srun / scontrol: the train step waits for SIGUSR1, then exits 3 like the trainer."""
+def _fake_bin(tmp_path: Path, exit_on_usr1: int = 3) -> Path:
+    """Fake srun / scontrol: the train step waits for SIGUSR1, then exits ``exit_on_usr1`` (3 like the trainer
+    after its checkpoint; anything else is a crash). Every srun call logs the environment its tasks would get."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     (bin_dir / "srun").write_text(f"""#!/bin/bash
 echo "srun $*" >> {log}
+echo "env HOME=$HOME XDG_CACHE_HOME=${{XDG_CACHE_HOME:-}} TRITON_CACHE_DIR=${{TRITON_CACHE_DIR:-}} PYTHONPATH=${{PYTHONPATH:-}}" >> {log}
 case "$*" in
   *nemo_entry*torch_env*|*torch_env*nemo_entry*)
-    trap 'echo "train got USR1" >> {log}; exit 3' USR1
+    trap 'echo "train got USR1" >> {log}; exit {exit_on_usr1}' USR1
     touch {tmp_path}/train_started
     for _ in $(seq 200); do sleep 0.1; done
     exit 0 ;;
@@ -100,10 +103,11 @@ if [ "$1 $2" = "show hostnames" ]; then echo node-x1; echo node-x2; fi
     return bin_dir
 
 
-def test_preemption_signal_is_forwarded_and_job_requeued(tmp_path):
-    bin_dir = _fake_bin(tmp_path)
+def _preempt(tmp_path: Path, exit_on_usr1: int = 3, **extra) -> tuple[subprocess.Popen, str, str]:
+    """Run deepseek_b1500.sh with the fake srun, send the batch shell SIGUSR1 once training started."""
+    bin_dir = _fake_bin(tmp_path, exit_on_usr1)
     env = _env(DRY_RUN="0", PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_NODELIST="node-x[1-2]", RESULTS_DIR=str(tmp_path / "results"))
+               SLURM_JOB_NODELIST="node-x[1-2]", RESULTS_DIR=str(tmp_path / "results"), **extra)
     proc = subprocess.Popen(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
@@ -113,12 +117,119 @@ def test_preemption_signal_is_forwarded_and_job_requeued(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=30)
+    return proc, out, err
+
+
+def test_preemption_signal_is_forwarded_and_job_requeued(tmp_path):
+    proc, out, err = _preempt(tmp_path)
     assert proc.returncode == 0, err
     calls = (tmp_path / "calls.log").read_text()
     assert "train got USR1" in calls
     assert "scontrol requeue 777" in calls
     assert "master node-x1:20777" in out
     assert (tmp_path / "results" / "deepseek_1.5b_b1500" / "logs" / "job_777_restart0").is_dir()
+
+
+def test_crash_after_the_preemption_signal_is_not_requeued(tmp_path):
+    """Only the trainer's exit code 3 (checkpoint written) requeues; a rank that fails after SIGUSR1 ends the job
+    with its status instead of requeueing it forever."""
+    proc, out, err = _preempt(tmp_path, exit_on_usr1=1)
+    calls = (tmp_path / "calls.log").read_text()
+    assert "train got USR1" in calls
+    assert "scontrol requeue" not in calls
+    assert proc.returncode == 1, out + err
+    assert "not requeueing" in out
+
+
+def test_requeues_are_capped(tmp_path):
+    proc, out, err = _preempt(tmp_path, SLURM_RESTART_COUNT="3", MAX_REQUEUES="3")
+    assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
+    assert proc.returncode == 3, out + err
+    assert "already requeued 3 times (MAX_REQUEUES=3)" in out
+    # below the cap it requeues and says which requeue this is
+    (tmp_path / "again").mkdir()
+    proc, out, err = _preempt(tmp_path / "again", SLURM_RESTART_COUNT="2", MAX_REQUEUES="3")
+    assert proc.returncode == 0 and "scontrol requeue 777" in (tmp_path / "again" / "calls.log").read_text()
+    assert "requeue 3 of at most 3" in out
+
+
+def test_container_gets_a_home_and_caches_under_the_run_dir_and_no_host_pythonpath(tmp_path):
+    """--no-container-mount-home leaves the host's HOME, which does not exist in the container: HOME, XDG_CACHE_HOME
+    and TRITON_CACHE_DIR point under /results/<recipe>/home (created on the host side), and PYTHONPATH is the
+    repository mount alone, whatever the host had."""
+    results = tmp_path / "results"
+    proc, out, err = _preempt(tmp_path, PYTHONPATH="/host/site-packages", HOME="/home/someone")
+    assert proc.returncode == 0, err
+    envs = [line for line in (tmp_path / "calls.log").read_text().splitlines() if line.startswith("env ")]
+    assert len(envs) == 3  # plan, prepare, train
+    home = "/results/deepseek_1.5b_b1500/home"
+    for line in envs:
+        assert line == (f"env HOME={home} XDG_CACHE_HOME={home}/.cache TRITON_CACHE_DIR={home}/.cache/triton "
+                        "PYTHONPATH=/opt/laconic-nemo"), line
+    assert (results / "deepseek_1.5b_b1500" / "home" / ".cache" / "triton").is_dir()
+
+
+def test_container_none_drops_only_the_container_flags(tmp_path):
+    """CONTAINER=none (pyxis-less clusters, tests/slurm): the same srun lines without the --container-* flags, as
+    `plan` renders them too; the environment is the submitting one."""
+    extra = dict(SLURM_JOB_NUM_NODES="2", EXTRA_OVERRIDES="run.num_steps=3")
+    with_c = [shlex.split(c) for c in dry_run("deepseek_b1500.sh", **extra) if c.startswith("srun ")]
+    without = [shlex.split(c) for c in dry_run("deepseek_b1500.sh", CONTAINER="none", **extra) if c.startswith("srun ")]
+    assert len(with_c) == len(without) == 3
+    for a, b in zip(with_c, without):
+        assert any(t.startswith("--container-") for t in a)
+        assert [t for t in a if not t.startswith(("--container-", "--no-container-"))] == b
+    recipe = "recipes/deepseek_1.5b_b1500.yaml"
+    cfg = load_config(ROOT / recipe, ["run.num_steps=3"])
+    plan = plan_layout(cfg, 2, 8, check_paths=False)
+    rendered = render_commands(plan, cfg, recipe, ["run.num_steps=3"], "none", "", "/checkpoints/hf/"
+                               "DeepSeek-R1-Distill-Qwen-1.5B")
+    assert [_tokens(" ".join(shlex.quote(t) for t in c)) for c in without] == [_tokens(c) for c in rendered]
+
+
+def test_gpus_per_node_comes_from_the_allocation():
+    """Inside a job SLURM_GPUS_ON_NODE (from #SBATCH --gpus-per-node) sets the tasks per node and what `plan`
+    checks, over a stale GPUS_PER_NODE; outside Slurm the wrapper's #SBATCH line does."""
+    cmds = dry_run("deepseek_b1500.sh", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="4", GPUS_PER_NODE="8")
+    plan_cmd, _, train = [shlex.split(c) for c in cmds if c.startswith("srun ")]
+    assert "--gpus-per-node=4" in plan_cmd and "--gpus-per-node=8" not in plan_cmd
+    assert "--ntasks-per-node=4" in train and "--gpus-per-node=4" in train
+    header = [shlex.split(c) for c in dry_run("qwen3_8b_b1000.sh") if c.startswith("srun ")]
+    assert "--gpus-per-node=8" in header[-1] and "--ntasks-per-node=8" in header[-1]
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=_env(GPUS_PER_NODE="eight"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "GPUS_PER_NODE = 'eight'" in out.stderr
+
+
+def _arrays_that_may_be_empty(text: str) -> set[str]:
+    """Arrays assigned by `read -a` or as `()`: empty when their input is."""
+    names = set(re.findall(r"read\s+(?:-\w+\s+)*-a\s+(\w+)", text))
+    names |= set(re.findall(r"\b(\w+)=\(\s*\)", text))
+    return names
+
+
+def test_empty_arrays_are_expanded_safely_for_bash_before_4_4():
+    """Bash < 4.4 (RHEL/CentOS 7 login and compute nodes) aborts on "${A[@]}" of an empty array under `set -u`
+    ("A[@]: unbound variable"); every expansion of an array that may be empty must read ${A[@]+"${A[@]}"}."""
+    for script in sorted(LAUNCH.glob("*.sh")):
+        text = script.read_text()
+        for name in _arrays_that_may_be_empty(text):
+            bare = re.findall(r'(?<!\+)"\$\{' + name + r'\[@\]\}"(?!\})', text)
+            assert not bare, f"{script.name}: unguarded \"${{{name}[@]}}\" (write ${{{name}[@]+\"${{{name}[@]}}\"}})"
+
+
+def test_dry_run_under_an_old_bash():
+    """The dry run with no EXTRA_OVERRIDES under a bash < 4.4 (LACONIC_OLD_BASH=/path/to/bash-4.3)."""
+    old_bash = os.environ.get("LACONIC_OLD_BASH")
+    if not old_bash:
+        pytest.skip("set LACONIC_OLD_BASH to a bash < 4.4 binary to run the launch scripts under it")
+    version = subprocess.run([old_bash, "-c", "echo ${BASH_VERSINFO[0]}.${BASH_VERSINFO[1]}"], capture_output=True,
+                             text=True).stdout.strip()
+    assert tuple(map(int, version.split("."))) < (4, 4), version
+    out = subprocess.run([old_bash, str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sum(line.startswith("+ srun ") for line in out.stdout.splitlines()) == 3
 
 
 def test_finished_run_is_not_requeued(tmp_path):
@@ -130,7 +241,7 @@ def test_finished_run_is_not_requeued(tmp_path):
     out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "requeue" not in (tmp_path / "calls.log").read_text()
+    assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
 
 
 def test_shellcheck_clean():
@@ -140,3 +251,32 @@ def test_shellcheck_clean():
     scripts = sorted(str(p) for p in LAUNCH.glob("*.sh"))
     out = subprocess.run([exe, "-x", *scripts], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_every_time():
+    """containers/Dockerfile.vllm: one vLLM version, the same in the base image tag, the build-time check, pyproject's
+    `vllm` extra and containers/README.md.
+
+    megatron-core 0.11.0 has no cp312 wheel (PyPI: a cp311 wheel and the sdist; `pip download megatron-core==0.11.0
+    --python-version 3.12 --only-binary=:all:` finds none), and the vLLM images run Python 3.12, so pip builds the
+    sdist. Its setup.py (megatron_core-0.11.0.tar.gz, lines 108-121) declares the one C++ part,
+    ``Extension("megatron.core.datasets.helpers_cpp", ..., optional=True)``: pip skips it with a warning when no
+    compiler is there (checked: CXX=/bin/false builds and installs without it) and compiles it otherwise. The
+    Dockerfile must install the compiler and headers before that pip line and fail when the extension is missing.
+    """
+    docker = (ROOT / "containers" / "Dockerfile.vllm").read_text()
+    lines = docker.splitlines()
+    froms = [line.split()[1] for line in lines if line.startswith("FROM ")]
+    assert len(froms) == 1 and froms[0].startswith("vllm/vllm-openai:v"), froms
+    version = froms[0].split(":v", 1)[1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.\d+)?", version), version
+    assert f"vllm.__version__ == '{version}'" in docker
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.findall(r'^vllm = \[(.*)\]$', pyproject, re.M) == [f'"vllm=={version}"']
+    readme = (ROOT / "containers" / "README.md").read_text()
+    assert set(re.findall(r"vllm/vllm-openai:v([\w.]+)", readme + docker)) == {version}
+    # toolchain before the megatron-core build, and the optional extension required afterwards
+    build = next(i for i, line in enumerate(lines) if '"megatron-core==0.11.0"' in line)
+    toolchain = [i for i, line in enumerate(lines) if "apt-get install" in line and "g++" in line and "-dev" in line]
+    assert toolchain and toolchain[0] < build
+    assert any("import megatron.core" in line and "helpers_cpp" in line for line in lines[build:])

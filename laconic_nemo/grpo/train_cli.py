@@ -22,6 +22,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free, hold_output_dir
+
+LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
 
 
 def register(subparsers) -> None:
@@ -56,6 +59,11 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
+    try:  # a live run in this output dir: refuse before any rank, warm-up or model exists
+        check_free(cfg.run.output_dir)
+    except OutputDirLocked as exc:
+        print(f"laconic-nemo train: {exc}", file=sys.stderr)
+        return 2
     if "WORLD_SIZE" not in os.environ:
         model_parallel = int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
         nprocs = args.nprocs or model_parallel
@@ -80,7 +88,8 @@ def launch_local(nprocs: int, argv: list[str]) -> int:
     procs = []
     for rank in range(nprocs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-               "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.grpo.train_cli", *argv], env=env))
 
@@ -185,7 +194,14 @@ def train(cfg: DictConfig) -> int:
         if is_logger:
             print(msg, flush=True)
 
+    lock = None
     try:
+        try:  # rank 0 holds run.output_dir until the run ends; every rank stops here if another run has it
+            lock = hold_output_dir(cfg.run.output_dir, info.rank)
+        except OutputDirLocked as exc:
+            if is_logger:
+                print(f"laconic-nemo train: {exc}", file=sys.stderr, flush=True)
+            return 2
         encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example = build_task(cfg)
         if vocab_size is not None:
             OmegaConf.update(cfg, "model.vocab_size", vocab_size)
@@ -218,6 +234,8 @@ def train(cfg: DictConfig) -> int:
                 log(f"wrote {png}")
         return 0 if status == "finished" else 3
     finally:
+        if lock is not None:
+            lock.release()
         destroy_distributed()
 
 
@@ -268,6 +286,10 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log):
 
 
 def main(argv=None) -> int:
+    if os.environ.get(LAUNCHER_PID_ENV):  # a rank started by launch_local
+        from laconic_nemo.grpo.parent_death import die_with_parent
+
+        die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
     parser = argparse.ArgumentParser(prog="laconic-nemo")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

@@ -740,7 +740,8 @@ class MegatronCoreActor:
             "scheduler": {"step_count": self.step_count, "lr": self.lr, "warmup_steps": self.warmup_steps},
             "reference": None if self._ref_state is None else {k: v.to("cpu", copy=True) for k, v in self._ref_state.items()},
             "parallel": {"tp": self.info.tp_size, "pp": self.info.pp_size, "tp_rank": self.tp_rank,
-                         "pp_rank": self.pp_rank},
+                         "pp_rank": self.pp_rank, "num_layers": self.config.num_layers,
+                         "vocab_size": self.vocab_size, "tp_split_dims": self.tp_split_dims()},
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -766,12 +767,12 @@ class MegatronCoreActor:
     # ------------------------------------------------------------------ full (unsharded) tensors
     def _global_name(self, name: str) -> str:
         """Local parameter name -> name in the unsharded single-stage model (global layer index)."""
-        if name.startswith(_LAYER_PREFIX):
-            rest = name[len(_LAYER_PREFIX):]
-            idx, tail = rest.split(".", 1)
-            offset = self.pp_rank * (self.config.num_layers // self.info.pp_size)
-            return f"{_LAYER_PREFIX}{int(idx) + offset}.{tail}"
-        return name
+        return global_param_name(name, self.pp_rank, self.config.num_layers // self.info.pp_size)
+
+    def tp_split_dims(self) -> dict[str, int]:
+        """Local parameter name -> the dimension its TP shards are concatenated along (TP-sharded ones only)."""
+        return {name: int(p.partition_dim) for name, p in self.module.named_parameters()
+                if getattr(p, "tensor_model_parallel", False)}
 
     def _local_tensors(self, grads: bool) -> dict[str, tuple[torch.Tensor, Any]]:
         out = {}
@@ -834,6 +835,45 @@ class MegatronCoreActor:
             if t.shape != p.shape:
                 raise ValueError(f"{key}: shard shape {tuple(t.shape)} does not match parameter {tuple(p.shape)}")
             p.data.copy_(t.to(p.device, p.dtype))
+
+
+def global_param_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
+    """Local parameter name of pipeline stage ``pp_rank`` -> its name in the unsharded single-stage model
+    (``decoder.layers.<i>`` renumbered with the global layer index ``i + pp_rank * layers_per_stage``)."""
+    if name.startswith(_LAYER_PREFIX):
+        idx, tail = name[len(_LAYER_PREFIX):].split(".", 1)
+        return f"{_LAYER_PREFIX}{int(idx) + pp_rank * layers_per_stage}.{tail}"
+    return name
+
+
+def merge_rank_states(states: dict[tuple[int, int], dict[str, torch.Tensor]], tp: int, pp: int, num_layers: int,
+                      tp_split_dims: dict[str, int], vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Offline counterpart of :meth:`MegatronCoreActor.full_state_dict`: merge the per-rank weights of a
+    TP x PP layout into the unsharded single-stage model, without torch.distributed.
+
+    states: ``(tp_rank, pp_rank) -> {local name: tensor}`` for every rank of the layout (what
+    :meth:`MegatronCoreActor.state_dict_for_checkpoint` holds under ``"model"``); tp_split_dims: local
+    name -> TP concatenation dimension of the TP-sharded parameters (others are replicated, the copy of
+    TP rank 0 is taken); vocab_size: when given, the padded vocabulary rows of the embedding and output
+    layer are dropped ([Vp, H] -> [V, H]). Tensors keep their dtype; names as in :meth:`full_state_dict`.
+    """
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in states]
+    if missing:
+        raise ValueError(f"rank states missing for (tp_rank, pp_rank) {missing}")
+    full: dict[str, torch.Tensor] = {}
+    for p in range(pp):
+        for name, t in states[(0, p)].items():
+            if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+                continue
+            if name in tp_split_dims and tp > 1:
+                t = torch.cat([states[(r, p)][name] for r in range(tp)], dim=tp_split_dims[name])
+            if vocab_size is not None and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                t = t[:vocab_size]
+            key = global_param_name(name, p, num_layers // pp)
+            if key in full:
+                raise ValueError(f"{key} is held by two pipeline stages")
+            full[key] = t
+    return full
 
 
 def _cut(batch: TrainBatch, T: int) -> TrainBatch:

@@ -1,0 +1,113 @@
+"""`laconic-nemo export RUN --to hf OUT`: the trainer's per-rank megatron-core shards -> a Hugging Face folder.
+
+One spawned 2-process job per layout (tests/dist/export_checks.py) trains a tiny Qwen2 policy one GRPO step at
+TP=2 or PP=2 and checkpoints it through GRPOTrainer.save_checkpoint; the export then runs here in this single
+process (no torch.distributed), and transformers must load the folder and give the trained policy's log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("megatron.core")
+
+from laconic_nemo.cli import main as cli_main  # noqa: E402
+from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
+
+DIST = Path(__file__).resolve().parent / "dist"
+sys.path.insert(0, str(DIST))
+
+import export_checks  # noqa: E402
+
+from laconic_nemo.export import ExportError, export_hf  # noqa: E402
+
+
+def hf_logprobs(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) [N, T-1] under the transformers model in ``model_dir``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    # 2 layers (one per stage at PP=2), 2 KV heads (one per rank at TP=2); Qwen2 has QKV biases
+    return Path(save_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "m", hidden=32, layers=2, kv_heads=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_export_matches_trained_policy(tmp_path, source, layout):
+    run = tmp_path / "run"
+    export_checks.launch(layout, str(source), str(run))
+    ref = torch.load(run / "policy_logprobs.pt", weights_only=False)
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(run), "--to", "hf", str(out)]) == 0  # the run directory: latest checkpoint
+    lp = hf_logprobs(out, ref["tokens"])
+    assert (lp - ref["trained"]).abs().max() < 2e-5
+    # the step moved the policy away from the source weights, so equality above is not a copy of the source
+    assert (ref["trained"] - ref["source"]).abs().max() > 1e-2
+    assert (hf_logprobs(source, ref["tokens"]) - ref["source"]).abs().max() < 2e-5
+    # a complete HF folder: same tensor names and shapes as the source, config and tokenizer copied
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as a, safe_open(str(source / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
+    assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    assert (out / "tokenizer.json").is_file()
+    # shards written before the actor recorded its TP split dims: the bridge's name table gives them
+    legacy = tmp_path / "legacy"
+    shutil.copytree(run / "checkpoints" / "step_000001", legacy)
+    for f in legacy.glob("model_*.pt"):
+        st = torch.load(f, weights_only=False)
+        del st["parallel"]["tp_split_dims"]
+        torch.save(st, f)
+    export_hf(legacy, tmp_path / "hf_legacy")
+    assert (hf_logprobs(tmp_path / "hf_legacy", ref["tokens"]) - ref["trained"]).abs().max() < 2e-5
+    if layout == "tp2":
+        _check_errors(tmp_path, run, source)
+
+
+def _check_errors(tmp_path: Path, run: Path, source: Path) -> None:
+    """Clear errors naming the path: missing path, incomplete checkpoint, synthetic model, missing HF config."""
+    ckpt = run / "checkpoints" / "step_000001"
+    with pytest.raises(ExportError, match=str(tmp_path / "nowhere")):
+        export_hf(tmp_path / "nowhere", tmp_path / "o")
+    # a checkpoint still being written (the trainer's .tmp folder) never counts
+    partial = tmp_path / "partial" / "checkpoints" / "step_000002.tmp"
+    shutil.copytree(ckpt, partial)
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        export_hf(tmp_path / "partial", tmp_path / "o")
+    with pytest.raises(ExportError, match="incomplete checkpoint"):
+        export_hf(partial, tmp_path / "o")
+    # a shard lost: the missing file is named
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "model_tp01_pp00.pt").unlink()
+    with pytest.raises(ExportError, match="missing model_tp01_pp00.pt"):
+        export_hf(broken, tmp_path / "o")
+    # the run's model.source decides whether there is a Hugging Face architecture at all
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["config"]["model"]["source"] = "synthetic"
+    (broken / "model_tp01_pp00.pt").symlink_to(ckpt / "model_tp01_pp00.pt")
+    (broken / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ExportError, match="synthetic GPT has no Hugging Face architecture"):
+        export_hf(broken, tmp_path / "o")
+    state["config"]["model"].update(source="hf", path=str(tmp_path / "gone"))
+    (broken / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ExportError, match="--hf-config"):
+        export_hf(broken, tmp_path / "o")
+    assert export_hf(broken, tmp_path / "o", hf_config=str(source)) == broken
+    # the command reports the error and exits 2 instead of a traceback
+    assert cli_main(["export", str(tmp_path / "nowhere"), "--to", "hf", str(tmp_path / "o2")]) == 2

@@ -187,3 +187,6 @@ def validate_config(cfg: DictConfig) -> None:
              cfg.checkpoint.every_n_steps)
     _require(int(cfg.checkpoint.keep_last) >= 1, "checkpoint.keep_last", "an integer >= 1",
              cfg.checkpoint.keep_last)
+    _require(not cfg.checkpoint.get("export_hf", False) or m.source == "hf", "checkpoint.export_hf",
+             f"false with model.source = {m.source} (only hf runs have a Hugging Face architecture)",
+             cfg.checkpoint.get("export_hf"))

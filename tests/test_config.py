@@ -55,3 +55,12 @@ def test_lambda_init_below_floor_is_valid():
     """The authors' scripts: lambda_len_init 0 with lambda_floor 1e-5 (clipped by the first dual step)."""
     cfg = load_config(RECIPES / "tiny_cpu.yaml", ["laconic.floor=1e-5", "laconic.lambda_init=0.0"])
     assert (cfg.laconic.floor, cfg.laconic.lambda_init) == (1e-5, 0.0)
+
+
+def test_export_hf_needs_a_hugging_face_model():
+    load_config(RECIPES / "tiny_cpu.yaml", ["checkpoint.export_hf=false"])
+    with pytest.raises(ConfigError, match=r"checkpoint.export_hf = True is invalid: allowed false with model.source "
+                                          r"= synthetic \(only hf runs have a Hugging Face architecture\)"):
+        load_config(RECIPES / "tiny_cpu.yaml", ["checkpoint.export_hf=true"])
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", ["checkpoint.export_hf=true", "model.source=hf", "model.path=/m"])
+    assert cfg.checkpoint.export_hf is True

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("math_verify")
@@ -35,7 +36,7 @@ def test_train_from_hf_checkpoint_on_math_problems(tmp_path):
         "data.prompt_template=plain", "reward.kind=math", "reward.num_workers=1", "warmup.num_steps=0",
         "rollout.max_new_tokens=12", "laconic.budget=6", "laconic.eta=0.5", "grpo.num_prompts_per_step=2",
         "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4", "run.num_steps=2",
-        "checkpoint.every_n_steps=1", "logging.plot=false", f"run.output_dir={out}",
+        "checkpoint.every_n_steps=1", "checkpoint.export_hf=true", "logging.plot=false", f"run.output_dir={out}",
     ]
     env = clean_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -54,3 +55,17 @@ def test_train_from_hf_checkpoint_on_math_problems(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").glob("model_*.pt")) == [
         "model_tp00_pp00.pt", "model_tp01_pp00.pt"]
+    # checkpoint.export_hf: the final policy (step 2, not step 1) as a Hugging Face folder transformers loads
+    import transformers
+
+    from laconic_nemo.bridge import load_safetensors_dir
+    from laconic_nemo.export import export_hf
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf"))
+    final = hf.state_dict()
+    source = load_safetensors_dir(model)
+    assert set(source) <= set(final) and any(not torch.equal(final[k], v) for k, v in source.items())
+    for step, same in (("step_000001", False), ("step_000002", True)):
+        export_hf(out / "checkpoints" / step, tmp_path / step)
+        ref = load_safetensors_dir(str(tmp_path / step))
+        assert all(torch.equal(final[k], v) for k, v in ref.items()) == same, step

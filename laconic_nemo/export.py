@@ -136,6 +136,33 @@ def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None
     return ckpt
 
 
+MARKER = "exported_from.json"
+
+
+def hf_model_dir(model: str | Path, cache_dir: str | Path, hf_config: str | None = None) -> str:
+    """A model for evaluation: a Hugging Face folder (holding config.json) as is; a run directory or training
+    checkpoint exported into ``cache_dir`` (reused when ``cache_dir`` already holds the export of that same
+    checkpoint, which :data:`MARKER` records; written to ``<cache_dir>.tmp`` and renamed, so a crash never
+    leaves a half export that would be reused)."""
+    import os
+    import shutil
+
+    if (Path(model) / "config.json").is_file() or not Path(model).exists():
+        return str(model)  # a HF folder, or a hub id / missing path left to the backend
+    ckpt = resolve_checkpoint(model).resolve()
+    cache = Path(cache_dir)
+    marker = cache / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("checkpoint") == str(ckpt):
+        return str(cache)
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(ckpt, tmp, hf_config)
+    (tmp / MARKER).write_text(json.dumps({"checkpoint": str(ckpt)}))
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return str(cache)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a training checkpoint as a Hugging Face model folder",
                               description=__doc__.split("\n\n")[0])

@@ -77,6 +77,30 @@ def test_export_matches_trained_policy(tmp_path, source, layout):
     assert (hf_logprobs(tmp_path / "hf_legacy", ref["tokens"]) - ref["trained"]).abs().max() < 2e-5
     if layout == "tp2":
         _check_errors(tmp_path, run, source)
+        _check_eval_on_run_dir(tmp_path, run, ref)
+
+
+def _check_eval_on_run_dir(tmp_path: Path, run: Path, ref: dict) -> None:
+    """`laconic-nemo eval --model RUN_DIR` exports the run once into OUTPUT_DIR/model and evaluates that."""
+    pytest.importorskip("math_verify")
+    from laconic_nemo.eval.runner import SAMPLES, read_samples
+    from laconic_nemo.export import MARKER
+
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", str(run), "--backend", "transformers", "--benchmarks", "math500", "--n-samples", "1",
+            "--max-tokens", "3", "--limit", "2", "--output-dir", str(out), "--grader-workers", "0"]
+    assert cli_main(argv) == 0
+    assert (hf_logprobs(out / "model", ref["tokens"]) - ref["trained"]).abs().max() < 2e-5
+    assert len(read_samples(str(out / SAMPLES))) == 2
+    assert json.loads((out / "summary.json").read_text())["model"] == "run"
+    # a rerun (resume) reuses the export of the same checkpoint instead of writing it again
+    weights = out / "model" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert cli_main(argv) == 0 and weights.stat().st_mtime_ns == stamp
+    # another checkpoint is exported afresh
+    (out / "model" / MARKER).write_text(json.dumps({"checkpoint": "elsewhere"}))
+    assert cli_main(argv) == 0 and (out / "model" / MARKER).read_text() != json.dumps({"checkpoint": "elsewhere"})
+    assert not (out / "model.tmp").exists()
 
 
 def _check_errors(tmp_path: Path, run: Path, source: Path) -> None:

@@ -26,9 +26,11 @@ def char_tokenizer():
     return fast
 
 
-def save_tiny_qwen2(path: str | Path, hidden: int = 32, layers: int = 1, seed: int = 0, kv_heads: int = 1) -> str:
+def save_tiny_qwen2(path: str | Path, hidden: int = 32, layers: int = 1, seed: int = 0, kv_heads: int = 1,
+                    tie: bool = False) -> str:
     """A random Qwen2ForCausalLM (2 query heads, ``kv_heads`` key/value heads) + the char tokenizer saved
-    at ``path``; returns the path. Tensor parallelism over T ranks needs ``kv_heads`` divisible by T."""
+    at ``path``; returns the path. Tensor parallelism over T ranks needs ``kv_heads`` divisible by T;
+    ``tie``: the LM head shares the embedding matrix."""
     import transformers
 
     tok = char_tokenizer()
@@ -36,7 +38,7 @@ def save_tiny_qwen2(path: str | Path, hidden: int = 32, layers: int = 1, seed: i
     cfg = transformers.Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                                    num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=len(tok),
                                    max_position_embeddings=4096, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id)
+                                   pad_token_id=tok.pad_token_id, tie_word_embeddings=tie)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return str(path)

@@ -48,6 +48,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise ExportError(f"{p}: no such run directory or checkpoint")
+    if p.suffix == ".nemo" or (p / "model_config.yaml").is_file():
+        raise ExportError(f"{p}: a NeMo checkpoint (NeMo-Aligner actor); this command exports the megatron-core "
+                          "actor's checkpoints only: convert .nemo files with NeMo's checkpoint converters")
     if p.name.endswith(".tmp"):
         raise ExportError(f"{p}: an incomplete checkpoint (still being written, or the run died while writing it)")
     if (p / STATE).is_file():

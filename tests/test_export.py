@@ -106,6 +106,9 @@ def _check_errors(tmp_path: Path, run: Path, source: Path) -> None:
     ckpt = run / "checkpoints" / "step_000001"
     with pytest.raises(ExportError, match=str(tmp_path / "nowhere")):
         export_hf(tmp_path / "nowhere", tmp_path / "o")
+    (tmp_path / "policy.nemo").write_bytes(b"")
+    with pytest.raises(ExportError, match="policy.nemo: a NeMo checkpoint"):
+        export_hf(tmp_path / "policy.nemo", tmp_path / "o")
     # a checkpoint still being written (the trainer's .tmp folder) never counts
     partial = tmp_path / "partial" / "checkpoints" / "step_000002.tmp"
     shutil.copytree(ckpt, partial)

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.core import group_advantages, shaper_from_config
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
+from laconic_nemo.faults import armed, fault_point, fire, heartbeat
 from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
@@ -72,9 +73,12 @@ def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torc
 @dataclass
 class Timer:
     seconds: dict[str, float]
+    step: int = 0  # 1-based step being timed (heartbeats and fault points name it)
 
     @contextmanager
     def __call__(self, phase: str):
+        heartbeat(phase, self.step)
+        fault_point(phase, self.step)
         t0 = time.perf_counter()
         try:
             yield
@@ -203,7 +207,7 @@ class GRPOTrainer:
         return payload[0]
 
     def train_step(self, step: int) -> dict[str, Any]:
-        timer = Timer({})
+        timer = Timer({}, step=step + 1)
         t_start = time.perf_counter()
         gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
 
@@ -291,6 +295,8 @@ class GRPOTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
+        heartbeat("checkpoint", step)
+        fault_point("checkpoint", step)
         final = self._ckpt_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_logger:
@@ -320,6 +326,7 @@ class GRPOTrainer:
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        fault_point("checkpoint_written", step)
         self._barrier()
         if self.is_logger:
             if final.exists():
@@ -381,8 +388,14 @@ class GRPOTrainer:
     def _log(self, m: dict[str, Any]):
         if not self.is_logger:
             return
+        line = json.dumps(m) + "\n"
         with (self.out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(m) + "\n")
+            action = armed("metrics_torn", m["step"])
+            if action is not None:  # fault injection: a row cut short by a crash
+                f.write(line[: len(line) // 2])
+                f.flush()
+                fire(action)
+            f.write(line)
         if m["step"] % int(self.cfg.run.log_every) == 0 or m["step"] == self.num_steps:
             print(
                 f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
@@ -432,6 +445,7 @@ class GRPOTrainer:
             t0 = time.perf_counter()
             if stop or self.step == self.num_steps or (every and self.step % every == 0):
                 self.save_checkpoint(self.step)
+                fault_point("after_checkpoint", self.step)
             m["time/checkpoint"] = time.perf_counter() - t0
             self.history.append(m)
             self._log(m)

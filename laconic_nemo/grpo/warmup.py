@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.trainer import allreduce_sum
@@ -50,6 +51,8 @@ def supervised_warmup(
     losses = []
     t0 = time.perf_counter()
     for step in range(num_steps):
+        heartbeat("warmup", step + 1)
+        fault_point("warmup_step", step + 1)
         rng = random.Random(seed * 7919 + step)
         examples = [make_example(rng) for _ in range(batch_size)]
         mine = pack(examples[actor.dp_rank * per : (actor.dp_rank + 1) * per], pad_id)

@@ -143,7 +143,8 @@ class DualController:
                 saved = state[key]
                 if (saved is None) != (mine[key] is None) or (saved is not None and float(saved) != mine[key]):
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "
-                                     f"{mine[key]!r} (pass strict=False to keep this run's settings)")
+                                     f"{mine[key]!r} (to keep this run's settings, name the laconic key in "
+                                     "checkpoint.resume_allow_changes)")
             if not (self.floor <= lam <= self.ceiling):
                 raise ValueError(f"lam in checkpoint ({lam!r}) is outside [floor, ceiling] = "
                                  f"[{self.floor!r}, {self.ceiling!r}]")

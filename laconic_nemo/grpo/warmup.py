@@ -40,6 +40,8 @@ def supervised_warmup(
     pad_id: int,
     log: Callable[[str], None] = print,
     log_every: int = 50,
+    start_step: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[float]:
     """``num_steps`` optimiser steps on fresh examples; ``batch_size`` is global (split over DP).
 
@@ -50,7 +52,9 @@ def supervised_warmup(
     per = batch_size // actor.dp_size
     losses = []
     t0 = time.perf_counter()
-    for step in range(num_steps):
+    for step in range(start_step, num_steps):
+        if should_stop is not None and should_stop():
+            break
         heartbeat("warmup", step + 1)
         fault_point("warmup_step", step + 1)
         rng = random.Random(seed * 7919 + step)

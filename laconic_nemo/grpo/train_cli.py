@@ -319,7 +319,9 @@ def train(cfg: DictConfig) -> int:
         encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example = build_task(cfg)
         if vocab_size is not None:
             OmegaConf.update(cfg, "model.vocab_size", vocab_size)
+        heartbeat("build model")
         actor = MegatronCoreActor.from_config(cfg)
+        heartbeat("build trainer")
         if cfg.rollout.engine == "vllm":
             if cfg.model.source != "hf":
                 raise ConfigError("rollout.engine = vllm needs model.source = hf (vLLM loads the checkpoint)")
@@ -348,7 +350,9 @@ def train(cfg: DictConfig) -> int:
             if trainer._should_stop():
                 log("stopped on a signal after the warm-up; the warmed-up policy is cached")
                 return 3
+        heartbeat("resume")
         status = trainer.fit()
+        heartbeat("finish")
         if is_logger:
             # the whole run, also the steps before a resume
             rows, _ = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")

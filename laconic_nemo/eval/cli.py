@@ -48,13 +48,15 @@ def check_args(args) -> str | None:
     except ValueError as exc:
         return str(exc)
     positive = {"--n-samples": args.n_samples, "--max-tokens": args.max_tokens, "--chunk-prompts": args.chunk_prompts,
-                "--grader-workers": args.grader_workers, "--tensor-parallel-size": args.tensor_parallel_size,
+                "--tensor-parallel-size": args.tensor_parallel_size,
                 "--batch-size": args.batch_size}
     if args.limit is not None:
         positive["--limit"] = args.limit
     for flag, value in positive.items():
         if value < 1:
             return f"{flag} = {value} is invalid: allowed an integer >= 1"
+    if args.grader_workers < 0:
+        return f"--grader-workers = {args.grader_workers} is invalid: allowed an integer >= 0 (0: grade in-process)"
     if not args.temperature > 0:
         return f"--temperature = {args.temperature} is invalid: allowed > 0"
     if not 0 < args.top_p <= 1:

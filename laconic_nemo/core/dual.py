@@ -149,7 +149,8 @@ class DualController:
                 saved = state[key]
                 if (saved is None) != (mine[key] is None) or (saved is not None and float(saved) != mine[key]):
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "
-                                     f"{mine[key]!r} (pass strict=False to keep this run's settings)")
+                                     f"{mine[key]!r} (to keep this run's settings, name the laconic key in "
+                                     "checkpoint.resume_allow_changes)")
             low = 0.0 if int(state.get("num_updates", 0)) == 0 else self.floor
             if not (low <= lam <= self.ceiling):
                 raise ValueError(f"lam in checkpoint ({lam!r}) is outside [{low!r}, ceiling] = "

@@ -184,3 +184,48 @@ def test_recipe_builds_the_pid_controller():
     assert lam == pytest.approx(0.05 * (46 / 31 - 1) + 0.4 * (46 / 31 - 1))
     assert shaper_from_config(OmegaConf.to_container(load_config("tiny_cpu").laconic),
                               max_length=96).dual.controller == "integral"
+
+
+def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_bit_for_bit():
+    """Through GRPOTrainer.train_step (a stub actor, no model): lambda_next is the pid controller's update on the
+    step's global mean length, and the shaper state as trainer_state.json stores it (json) resumes bit for bit."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from laconic_nemo.grpo.interfaces import GenerationOutput
+    from laconic_nemo.grpo.trainer import GRPOTrainer
+
+    class Actor(SimpleNamespace):
+        def generate(self, prompt_ids, sampling):
+            n, g = len(prompt_ids), torch.Generator().manual_seed(len(self.calls))
+            self.calls.append(n)
+            lengths = torch.randint(5, sampling.max_new_tokens, (n,), generator=g)
+            tokens = torch.ones(n, 3 + int(lengths.max()), dtype=torch.long)
+            return GenerationOutput(tokens, torch.full((n,), 2), lengths + 1, lengths, torch.zeros(n, dtype=bool))
+
+        def logprobs(self, batch, reference=False, temperature=1.0):
+            return torch.zeros(batch.response_mask.shape)
+
+        def train_step(self, mb, loss_fn, micro):
+            return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.yaml"
+    cfg = load_config(recipe, ["laconic.controller=pid", "laconic.kp=0.3", "laconic.kd=0.5", "laconic.floor=1e-5"])
+
+    def trainer():
+        return GRPOTrainer(cfg, Actor(dp_rank=0, dp_size=1, dp_group=None, calls=[]), encode=list, decode=str,
+                           prompts=[(f"P{i}", "1") for i in range(50)],
+                           reward_fn=lambda texts, answers: ([1.0] * len(texts), {}), eos_id=1)
+
+    t = trainer()
+    ref = DualController(31.0, 0.05, ceiling=1.0, floor=1e-5, controller="pid", kp=0.3, kd=0.5)
+    first = [t.train_step(s) for s in range(3)]
+    for m in first:
+        assert m["lambda"] == ref.value and m["lambda_next"] == ref.update(m["mean_response_length"])
+    saved = json.loads(json.dumps(t.shaper.state_dict()))
+    tail = [t.train_step(s)["lambda_next"] for s in range(3, 5)]
+    u = trainer()
+    u.actor.calls.extend([0, 0, 0])  # the stub's rollouts of steps 3 and 4
+    u.shaper.load_state_dict(saved)
+    assert [u.train_step(s)["lambda_next"].hex() for s in range(3, 5)] == [v.hex() for v in tail]
+    assert len({m["lambda_next"] for m in first}) == 3

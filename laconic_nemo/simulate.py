@@ -4,14 +4,17 @@ and the pid gains before a cluster run (beyond the paper).
 Length-response model (one GRPO step t -> t + 1; lambda_t prices step t's rollout, the policy update at
 step t moves the length seen at step t + 1 + delay - 1):
 
-``L_{t+1} = L_t + (a - b * lambda_{t-delay} - L_t) / tau + sigma * eps_t``,  eps_t ~ N(0, 1)
+``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau + sigma * eps_t``,  eps_t ~ N(0, 1),
+``g(lambda) = scale * (1 - exp(-lambda / scale))`` (``g(lambda) = lambda`` for ``scale = inf``)
 
-The policy's mean length L relaxes with time constant ``tau`` (steps) towards a target ``a - b * lambda``
-that falls with lambda (``a``: the length without a length penalty, ``b``: tokens per unit of lambda),
-with per-step noise ``sigma`` (tokens). The parameters are fitted from a run's ``metrics.jsonl`` (fields
+The policy's mean length L relaxes with time constant ``tau`` (steps) towards a target ``a - b * g(lambda)``
+that falls with lambda (``a``: the length without a length penalty, ``b``: tokens per unit of lambda at
+lambda = 0; a finite ``scale`` makes the target flatten out towards ``a - b * scale``, the length that
+no lambda buys below), with per-step noise ``sigma`` (tokens). The parameters are fitted from a run's ``metrics.jsonl`` (fields
 ``step``, ``lambda`` = the lambda used at the step, ``mean_response_length``) by least squares of
-``L_{t+1} - L_t`` on ``[1, lambda_{t-delay}, L_t]``, for each delay in 0..max_delay, keeping the delay whose
-model, driven by the run's lambdas from its first length alone, stays closest to the observed lengths. The dual step is the project's own :class:`~laconic_nemo.core.dual.DualController`.
+``L_{t+1} - L_t`` on ``[1, g(lambda_{t-delay}), L_t]`` for each delay in 0..max_delay and each scale of a grid
+(inf included), keeping the pair whose model, driven by the run's lambdas from its first length alone, stays
+closest to the observed lengths. The dual step is the project's own :class:`~laconic_nemo.core.dual.DualController`.
 
 Response measures (steps numbered from 1, as in metrics.jsonl): the settling step is the first step from
 which the trailing 3-step moving average of L stays within +-5% of B to the end; the first step with
@@ -39,7 +42,7 @@ __all__ = ["LengthModel", "fit_length_model", "simulate", "response_metrics", "r
 
 @dataclass
 class LengthModel:
-    """``L_{t+1} = L_t + (a - b * lambda_{t-delay} - L_t) / tau + sigma * eps``; ``l0`` = L at step 1."""
+    """``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau + sigma * eps``; ``l0`` = L at step 1."""
 
     tau: float
     a: float
@@ -47,14 +50,33 @@ class LengthModel:
     sigma: float
     l0: float
     delay: int = 0
+    scale: float = math.inf
+
+    def __post_init__(self):
+        self.tau, self.a, self.b, self.sigma, self.l0 = (float(v) for v in (self.tau, self.a, self.b, self.sigma,
+                                                                            self.l0))
+        self.delay, self.scale = int(self.delay), float(self.scale)
 
     def target(self, lam: float) -> float:
         """The length the policy relaxes towards under a constant lambda."""
-        return self.a - self.b * lam
+        return self.a - self.b * _g(lam, self.scale)
 
     def equilibrium_lambda(self, budget: float) -> float:
-        """The lambda at which the target equals B."""
-        return (self.a - budget) / self.b if self.b != 0 else math.inf
+        """The lambda at which the target equals B (inf when no lambda brings the target down to B)."""
+        need = (self.a - budget) / self.b if self.b > 0 else math.inf
+        if math.isinf(self.scale):
+            return need
+        return -self.scale * math.log1p(-need / self.scale) if need < self.scale else math.inf
+
+
+def _g(lam, scale: float):
+    """``scale * (1 - exp(-lam / scale))``, elementwise; lam itself for scale = inf."""
+    if math.isinf(scale):
+        return lam
+    return -scale * np.expm1(-np.asarray(lam, dtype=np.float64) / scale)
+
+
+SCALES = (math.inf, 3.0, 2.0, 1.5, 1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05)
 
 
 def read_trajectory(path: str | Path) -> tuple[np.ndarray, np.ndarray, float]:
@@ -73,7 +95,8 @@ def read_trajectory(path: str | Path) -> tuple[np.ndarray, np.ndarray, float]:
     return lam, length, float(rows[steps[0]]["budget"])
 
 
-def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: int = 3) -> LengthModel:
+def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: int = 3,
+                     scales: Sequence[float] = SCALES) -> LengthModel:
     """Least-squares fit of the model to one trajectory: lam [T] (lambda used at each step), length [T].
 
     Raises ValueError when lambda does not vary (nothing to identify b from) or the fitted time constant is
@@ -85,11 +108,12 @@ def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: i
     if np.ptp(lam) == 0:
         raise ValueError("lambda is constant in this trajectory: the model's slope b cannot be fitted")
     best = None
-    for d in range(max_delay + 1):
+    for d, scale in itertools.product(range(max_delay + 1), scales):
         t = np.arange(d, len(length) - 1)
         if len(t) < 4:
             break
-        X = np.stack([np.ones(len(t)), lam[t - d], length[t]], axis=1)
+        glam = _g(lam, scale)
+        X = np.stack([np.ones(len(t)), glam[t - d], length[t]], axis=1)
         y = length[t + 1] - length[t]
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         rms = float(np.sqrt(np.mean((y - X @ coef) ** 2)))
@@ -97,18 +121,18 @@ def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: i
             continue
         # the delay is chosen on the free-run error (the model driven by the observed lambdas from L_1 alone):
         # one-step residuals barely tell delays apart when lambda moves smoothly
-        free = _free_run(coef, d, lam, float(length[0]))
+        free = _free_run(coef, d, glam, float(length[0]))
         free_rms = float(np.sqrt(np.mean((free - length) ** 2)))
         if best is None or free_rms < best[0]:
-            best = (free_rms, rms, d, coef, len(t))
+            best = (free_rms, rms, d, coef, len(t), scale)
     if best is None:
         raise ValueError("fitted time constant is not positive for every delay: the trajectory does not relax "
                          "towards a lambda-dependent target")
-    _, rms, d, (c0, c_lam, c_len), n = best
+    _, rms, d, (c0, c_lam, c_len), n, scale = best
     inv_tau = -c_len
     sigma = rms * math.sqrt(n / max(n - 3, 1))
     return LengthModel(tau=1.0 / inv_tau, a=c0 / inv_tau, b=-c_lam / inv_tau, sigma=sigma, l0=float(length[0]),
-                       delay=d)
+                       delay=d, scale=scale)
 
 
 def _free_run(coef, delay: int, lam: np.ndarray, l0: float) -> np.ndarray:
@@ -223,7 +247,8 @@ def run(args) -> int:
         print(f"laconic-nemo simulate: {exc}", file=sys.stderr)
         return 2
 
-    print(f"length model: tau {model.tau:.2f} steps, target a - b * lambda = {model.a:.1f} - {model.b:.1f} * lambda, "
+    shape = "lambda" if math.isinf(model.scale) else f"{model.scale:g} * (1 - exp(-lambda / {model.scale:g}))"
+    print(f"length model: tau {model.tau:.2f} steps, target {model.a:.1f} - {model.b:.1f} * {shape}, "
           f"sigma {model.sigma:.2f} tokens, L at step 1 {model.l0:.1f}, delay {model.delay}; "
           f"lambda at L = B: {model.equilibrium_lambda(budget):.3f}")
     if observed is not None:

@@ -2,6 +2,7 @@
 generated), the response measures, and the CLI."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from laconic_nemo.core.dual import DualController
 from laconic_nemo.simulate import LengthModel, fit_length_model, read_trajectory, response_metrics, simulate
 
 B = 31.0
+DATA = Path(__file__).resolve().parent / "data" / "tiny_cpu_metrics.jsonl"
 
 
 def _integral(eta=0.05, ceiling=1.0):
@@ -103,3 +105,36 @@ def test_cli_fits_a_metrics_file_and_ranks_the_grid(tmp_path, capsys):
 def test_cli_bad_input(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_fit_recovers_a_flattening_target():
+    """A target that flattens out above B (scale 0.1: no lambda brings it below a - b * scale = 36): the fit
+    finds a finite scale, predicts that the integral controller never settles, and the floor of the target."""
+    true = LengthModel(tau=4.0, a=52.0, b=160.0, sigma=0.8, l0=47.0, delay=1, scale=0.1)
+    fits = [fit_length_model(*simulate(true, _integral(), 70, seed=s)) for s in range(5)]
+    floors = [f.a - f.b * f.scale for f in fits]
+    assert all(np.isfinite(f.scale) for f in fits)
+    assert np.median(floors) == pytest.approx(true.a - true.b * true.scale, abs=1.0)
+    assert all(f.equilibrium_lambda(B) == np.inf for f in fits)
+    assert response_metrics(simulate(fits[0], _integral(), 70, seed=None)[1], B)["settling_step"] is None
+
+
+def test_fit_to_the_main_job_reproduces_its_response():
+    """tests/data/tiny_cpu_metrics.jsonl: `laconic-nemo train recipes/tiny_cpu.yaml` (seed 7, 70 steps, integral
+    controller, eta 0.05, Lambda 1). The length falls from 47 to a plateau near 34 (10% above B) by step 25 and
+    stays there while lambda keeps rising to 0.63: the run never settles. The fitted model driven by the run's
+    lambdas stays within 1.5 tokens (rms) of the observed lengths, and simulated in closed loop with the same
+    controller it does not settle either and ends within 2 points of the observed final error."""
+    from laconic_nemo.simulate import _free_run, _g
+
+    lam, L, budget = read_trajectory(DATA)
+    observed = response_metrics(L, budget)
+    model = fit_length_model(lam, L)
+    free = _free_run([model.a / model.tau, -model.b / model.tau, -1.0 / model.tau], model.delay,
+                     _g(lam, model.scale), model.l0)
+    assert float(np.sqrt(np.mean((free - L) ** 2))) < 1.5
+    lam_sim, L_sim = simulate(model, DualController(budget, 0.05, ceiling=1.0), len(L), seed=None)
+    predicted = response_metrics(L_sim, budget)
+    assert observed["settling_step"] is None and predicted["settling_step"] is None
+    assert predicted["final_error"] == pytest.approx(observed["final_error"], abs=0.02)
+    assert float(np.max(np.abs(lam_sim - lam))) < 0.03  # the integral controller's lambda path, too

@@ -4,17 +4,22 @@ and the pid gains before a cluster run (beyond the paper).
 Length-response model (one GRPO step t -> t + 1; lambda_t prices step t's rollout, the policy update at
 step t moves the length seen at step t + 1 + delay - 1):
 
-``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau + sigma * eps_t``,  eps_t ~ N(0, 1),
-``g(lambda) = scale * (1 - exp(-lambda / scale))`` (``g(lambda) = lambda`` for ``scale = inf``)
+``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau``, measured as ``L_t + sigma * eps_t``,
+``eps_t ~ N(0, 1)``, ``g(lambda) = scale * (1 - exp(-lambda / scale))`` (``g(lambda) = lambda`` for
+``scale = inf``).
 
 The policy's mean length L relaxes with time constant ``tau`` (steps) towards a target ``a - b * g(lambda)``
 that falls with lambda (``a``: the length without a length penalty, ``b``: tokens per unit of lambda at
-lambda = 0; a finite ``scale`` makes the target flatten out towards ``a - b * scale``, the length that
-no lambda buys below), with per-step noise ``sigma`` (tokens). The parameters are fitted from a run's ``metrics.jsonl`` (fields
-``step``, ``lambda`` = the lambda used at the step, ``mean_response_length``) by least squares of
-``L_{t+1} - L_t`` on ``[1, g(lambda_{t-delay}), L_t]`` for each delay in 0..max_delay and each scale of a grid
-(inf included), keeping the pair whose model, driven by the run's lambdas from its first length alone, stays
-closest to the observed lengths. The dual step is the project's own :class:`~laconic_nemo.core.dual.DualController`.
+lambda = 0; a finite ``scale`` flattens the target out towards ``a - b * scale``, below which no lambda
+brings it). The batch mean of sampled lengths scatters around the policy's mean with noise ``sigma``
+(tokens); the dual step sees the measured value.
+
+Fit to a run's ``metrics.jsonl`` (fields ``step``, ``lambda`` = the lambda used at the step,
+``mean_response_length``): least squares of ``L_{t+1} - L_t`` on ``[1, g(lambda_{t-delay}), L_t]`` for each
+delay in 0..max_delay and each scale of a grid (inf included), keeping the pair whose model, driven by the
+run's lambdas from its first length alone, stays closest to the observed lengths; sigma is the rms of the
+observed lengths around that path. The dual step is the project's own
+:class:`~laconic_nemo.core.dual.DualController`.
 
 Response measures (steps numbered from 1, as in metrics.jsonl): the settling step is the first step from
 which the trailing 3-step moving average of L stays within +-5% of B to the end; the first step with
@@ -42,7 +47,7 @@ __all__ = ["LengthModel", "fit_length_model", "simulate", "response_metrics", "r
 
 @dataclass
 class LengthModel:
-    """``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau + sigma * eps``; ``l0`` = L at step 1."""
+    """``L_{t+1} = L_t + (a - b * g(lambda_{t-delay}) - L_t) / tau``, measured with noise sigma; ``l0`` = L_1."""
 
     tau: float
     a: float
@@ -116,7 +121,6 @@ def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: i
         X = np.stack([np.ones(len(t)), glam[t - d], length[t]], axis=1)
         y = length[t + 1] - length[t]
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        rms = float(np.sqrt(np.mean((y - X @ coef) ** 2)))
         if not coef[2] < 0:
             continue
         # the delay is chosen on the free-run error (the model driven by the observed lambdas from L_1 alone):
@@ -124,13 +128,14 @@ def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: i
         free = _free_run(coef, d, glam, float(length[0]))
         free_rms = float(np.sqrt(np.mean((free - length) ** 2)))
         if best is None or free_rms < best[0]:
-            best = (free_rms, rms, d, coef, len(t), scale)
+            best = (free_rms, d, coef, scale)
     if best is None:
         raise ValueError("fitted time constant is not positive for every delay: the trajectory does not relax "
                          "towards a lambda-dependent target")
-    _, rms, d, (c0, c_lam, c_len), n, scale = best
+    free_rms, d, (c0, c_lam, c_len), scale = best
     inv_tau = -c_len
-    sigma = rms * math.sqrt(n / max(n - 3, 1))
+    n = len(length)
+    sigma = free_rms * math.sqrt(n / max(n - 4, 1))  # the measurement noise: observed minus the model's own path
     return LengthModel(tau=1.0 / inv_tau, a=c0 / inv_tau, b=-c_lam / inv_tau, sigma=sigma, l0=float(length[0]),
                        delay=d, scale=scale)
 
@@ -146,17 +151,22 @@ def _free_run(coef, delay: int, lam: np.ndarray, l0: float) -> np.ndarray:
 def simulate(model: LengthModel, dual: DualController, steps: int, seed: int | None = 0) -> tuple[np.ndarray,
                                                                                                   np.ndarray]:
     """Run ``steps`` GRPO steps of the model under ``dual`` (updated in place); returns (lambda used [steps],
-    mean length [steps]). ``seed=None``: no noise."""
+    measured mean length [steps]). The noise is measurement noise: the dual step and the returned lengths see
+    ``L_t + sigma * eps_t`` (a batch mean of sampled lengths), the policy's own mean ``L_t`` follows the
+    recursion without it. ``seed=None``: no noise."""
     rng = np.random.default_rng(seed)
     lam_hist = [dual.value]
-    lengths = [model.l0]
-    for t in range(steps - 1):
-        dual.update(max(lengths[t], 0.0))
+    state = model.l0
+    measured = []
+    for t in range(steps):
+        noise = 0.0 if seed is None or t == 0 else model.sigma * float(rng.standard_normal())
+        measured.append(max(state + noise, 0.0))
+        if t == steps - 1:
+            break
+        dual.update(measured[t])
         lam_hist.append(dual.value)
-        lam_d = lam_hist[max(t - model.delay, 0)]
-        noise = 0.0 if seed is None else model.sigma * float(rng.standard_normal())
-        lengths.append(max(lengths[t] + (model.target(lam_d) - lengths[t]) / model.tau + noise, 0.0))
-    return np.array(lam_hist), np.array(lengths)
+        state = state + (model.target(lam_hist[max(t - model.delay, 0)]) - state) / model.tau
+    return np.array(lam_hist), np.array(measured)
 
 
 def response_metrics(length: Sequence[float], budget: float, window: int = 3, tol: float = 0.05) -> dict:

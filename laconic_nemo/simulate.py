@@ -193,20 +193,23 @@ def _grid_row(model, budget, steps, seeds, floor, lambda_init, eta, ceiling, con
                               kp=kp, kd=kd)
 
     det = response_metrics(simulate(model, make(), steps, seed=None)[1], budget)
-    runs = [response_metrics(simulate(model, make(), steps, seed=s)[1], budget) for s in range(seeds)]
+    runs = [response_metrics(simulate(model, make(), steps, seed=s)[1], budget) for s in range(seeds)] or [det]
     settle = [r["settling_step"] if r["settling_step"] is not None else math.inf for r in runs]
     return {"controller": controller, "eta": eta, "ceiling": ceiling, "kp": kp, "kd": kd,
-            "settle_noiseless": det["settling_step"], "settle_median": float(np.median(settle)) if runs else None,
-            "settled_frac": float(np.mean(np.isfinite(settle))) if runs else None,
-            "undershoot": float(np.mean([r["undershoot"] for r in runs])) if runs else det["undershoot"],
-            "final_error": float(np.mean([r["final_error"] for r in runs])) if runs else det["final_error"]}
+            "settle_noiseless": det["settling_step"], "settle_median": float(np.median(settle)),
+            "settled_frac": float(np.mean(np.isfinite(settle))),
+            "undershoot": float(np.mean([r["undershoot"] for r in runs])),
+            "final_error": float(np.mean([r["final_error"] for r in runs]))}
 
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not out or any(math.isnan(x) or x < 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return out
 
 
 def register(subparsers) -> None:
@@ -215,6 +218,11 @@ def register(subparsers) -> None:
     p.add_argument("--metrics", help="metrics.jsonl of a run to fit the length model to")
     p.add_argument("--model", help='model parameters as JSON instead of --metrics, e.g. \'{"tau": 8, "a": 60, '
                                    '"b": 55, "sigma": 1, "l0": 47, "delay": 0}\'')
+    p.add_argument("--scale", type=_floats, default=None,
+                   help="scales of the target's flattening to fit over, comma-separated (inf: a linear target; "
+                        "default: inf and a grid from 3 to 0.05)")
+    p.add_argument("--sigma", type=float, default=None,
+                   help="measurement noise of the mean length in tokens instead of the fitted one (0: none)")
     p.add_argument("--budget", type=float, help="B (default: the metrics' budget)")
     p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the metrics' steps, or 70)")
     p.add_argument("--seeds", type=int, default=20, help="noisy runs per setting (median settling step)")
@@ -238,13 +246,19 @@ def run(args) -> int:
         steps = args.steps
         if args.metrics:
             lam, length, budget = read_trajectory(args.metrics)
-            model = fit_length_model(lam, length)
+            model = fit_length_model(lam, length, scales=args.scale or SCALES)
             steps = steps or len(length)
             observed = response_metrics(length, budget)
         else:
             model = LengthModel(**json.loads(args.model))
             budget, observed, steps = None, None, steps or 70
         budget = args.budget if args.budget is not None else budget
+        if args.sigma is not None:
+            if not args.sigma >= 0:
+                raise ValueError(f"--sigma must be a number of tokens >= 0, got {args.sigma!r}")
+            model.sigma = float(args.sigma)
+        if args.seeds < 0:
+            raise ValueError(f"--seeds must be >= 0, got {args.seeds}")
         if budget is None or not budget > 0:
             raise ValueError(f"--budget must be a number of tokens > 0, got {budget!r}")
         controllers = [c.strip() for c in args.controller.split(",")]

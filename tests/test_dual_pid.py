@@ -229,3 +229,17 @@ def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_
     u.shaper.load_state_dict(saved)
     assert [u.train_step(s)["lambda_next"].hex() for s in range(3, 5)] == [v.hex() for v in tail]
     assert len({m["lambda_next"] for m in first}) == 3
+
+
+def test_tiny_cpu_pid_recipe_differs_from_tiny_cpu_only_in_the_controller():
+    from omegaconf import OmegaConf
+
+    base, pid = load_config("tiny_cpu"), load_config("tiny_cpu_pid")
+    a, b = OmegaConf.to_container(base), OmegaConf.to_container(pid)
+    diff = {k for k in a["laconic"] if a["laconic"][k] != b["laconic"][k]}
+    assert diff == {"controller", "eta", "kp"}
+    a.pop("laconic"), b.pop("laconic")
+    a["run"].pop("name"), b["run"].pop("name"), a["run"].pop("output_dir"), b["run"].pop("output_dir")
+    assert a == b
+    shaper = shaper_from_config(OmegaConf.to_container(pid.laconic), max_length=int(pid.rollout.max_new_tokens))
+    assert shaper.dual.controller == "pid" and shaper.dual.kp > 0

@@ -138,3 +138,15 @@ def test_fit_to_the_main_job_reproduces_its_response():
     assert observed["settling_step"] is None and predicted["settling_step"] is None
     assert predicted["final_error"] == pytest.approx(observed["final_error"], abs=0.02)
     assert float(np.max(np.abs(lam_sim - lam))) < 0.03  # the integral controller's lambda path, too
+
+
+def test_cli_scale_sigma_and_noise_free_grid(tmp_path, capsys):
+    out_json = tmp_path / "grid.json"
+    rc = main(["simulate", "--metrics", str(DATA), "--scale", "inf", "--sigma", "0", "--seeds", "0",
+               "--controller", "integral", "--eta", "0.05,0.1", "--json", str(out_json)])
+    assert rc == 0
+    assert "target 40" in capsys.readouterr().out  # linear target a - b * lambda, no flattening
+    grid = json.loads(out_json.read_text())
+    assert grid["model"]["scale"] == float("inf") and grid["model"]["sigma"] == 0.0
+    by_eta = {r["eta"]: r for r in grid["rows"]}
+    assert by_eta[0.1]["settle_noiseless"] == by_eta[0.1]["settle_median"] < by_eta[0.05]["settle_median"]

@@ -150,3 +150,21 @@ def test_cli_scale_sigma_and_noise_free_grid(tmp_path, capsys):
     assert grid["model"]["scale"] == float("inf") and grid["model"]["sigma"] == 0.0
     by_eta = {r["eta"]: r for r in grid["rows"]}
     assert by_eta[0.1]["settle_noiseless"] == by_eta[0.1]["settle_median"] < by_eta[0.05]["settle_median"]
+
+
+def test_dual_controllers_benchmark_prints_measured_beside_predicted(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dual_controllers", DATA.parents[2] / "benchmarks" /
+                                                  "dual_controllers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    m = bench.measured(DATA)
+    assert m["settling_step"] is None and m["final_error"] == pytest.approx(response_metrics(
+        read_trajectory(DATA)[1], B)["final_error"])
+    assert bench.main(["--integral", str(DATA), "--pid", str(DATA), "--scale", "inf", "--sigma", "1.04",
+                       "--seeds", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert rows["integral"][1] == rows["pid"][1] == "None"  # the same measured file twice
+    assert rows["integral"][2] == "None" and int(rows["pid"][2]) < 70  # predicted: pid settles, integral not

@@ -243,3 +243,43 @@ def test_tiny_cpu_pid_recipe_differs_from_tiny_cpu_only_in_the_controller():
     assert a == b
     shaper = shaper_from_config(OmegaConf.to_container(pid.laconic), max_length=int(pid.rollout.max_new_tokens))
     assert shaper.dual.controller == "pid" and shaper.dual.kp > 0
+
+
+def _rank_worker(rank, world, port, q):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(100 + rank)  # every rank holds different responses
+    d = DualController(31.0, 0.15, ceiling=1.0, floor=1e-5, controller="pid", kp=1.0, kd=0.5)
+    lams = []
+    for step in range(40):
+        n_local = 16 + 8 * rank + step % 3
+        lengths = torch.randint(0, 96, (n_local,), generator=g)
+        sums = torch.tensor([int(lengths.sum()), n_local], dtype=torch.int64)  # as the trainer: integer all-reduce
+        dist.all_reduce(sums)
+        lams.append(d.update(float(sums[0].item()) / float(sums[1].item())).hex())
+    q.put((rank, lams, json.dumps(d.state_dict())))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_pid_ranks_agree_bit_for_bit_after_all_reduce():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: (lams, state) for r, lams, state in (q.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1]  # lambda at every step and the whole controller state
+    assert len(set(results[0][0])) > 10

@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     ("train", "laconic_nemo.grpo.train_cli", "train a policy with GRPO + LACONIC from a recipe"),
     ("plan", "laconic_nemo.launch_plan", "validate a recipe for a cluster layout and print the launch commands"),
     ("eval", "laconic_nemo.eval.cli", "evaluate a checkpoint on the math benchmarks (paper Table 1)"),
+    ("simulate", "laconic_nemo.simulate", "choose eta, Lambda and pid gains on a length-response model of a run"),
 ]
 
 

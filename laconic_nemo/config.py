@@ -219,6 +219,12 @@ def validate_config(cfg: DictConfig) -> None:
         ceil = float(lc.ceiling) if lc.ceiling is not None else (budget / (lmax - budget) if lmax > budget else math.inf)
         _require(float(lc.lambda_init) <= ceil, "laconic.lambda_init", f"<= the ceiling Lambda = {ceil:g}",
                  lc.lambda_init)
+    _require(lc.controller in ("integral", "pid"), "laconic.controller", "integral or pid", lc.controller)
+    for key in ("kp", "kd"):
+        v = lc[key]
+        _require(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                 f"laconic.{key}", "a finite number >= 0", v)
+        _require(lc.controller == "pid" or v == 0, f"laconic.{key}", "0 unless laconic.controller = pid", v)
     _require(isinstance(lc.count_eos, bool), "laconic.count_eos", "true or false", lc.count_eos)
     _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
     _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)

@@ -59,7 +59,7 @@ class StepOneBuild:
 
     shaper: str
     lambda_init: float
-    dual: dict | None             # DualController state (budget, eta, ceiling, floor) for laconic / linear
+    dual: dict | None             # DualController settings (budget, eta, ceiling, floor, controller, kp, kd)
     advantages: dict
     loss: dict
     reward: str
@@ -101,7 +101,8 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild
 
         probe = copy.deepcopy(shaper.dual)
         probe.update(float(lengths.float().mean()))
-        dual = {k: v for k, v in shaper.dual.state_dict().items() if k in ("budget", "eta", "ceiling", "floor")}
+        dual = {k: v for k, v in shaper.dual.state_dict().items()
+                if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
 
     loss_kw = loss_settings(cfg)
     mask = torch.ones(2, 3)

@@ -12,7 +12,7 @@ from laconic_nemo.core.dual import DualController
 from laconic_nemo.simulate import LengthModel, fit_length_model, read_trajectory, response_metrics, simulate
 
 B = 31.0
-DATA = Path(__file__).resolve().parent / "data" / "tiny_cpu_metrics.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "tiny_cpu_sorted_metrics.jsonl"
 
 
 def _integral(eta=0.05, ceiling=1.0):
@@ -119,9 +119,9 @@ def test_fit_recovers_a_flattening_target():
     assert response_metrics(simulate(fits[0], _integral(), 70, seed=None)[1], B)["settling_step"] is None
 
 
-def test_fit_to_the_main_job_reproduces_its_response():
-    """tests/data/tiny_cpu_metrics.jsonl: `laconic-nemo train recipes/tiny_cpu.yaml` (seed 7, 70 steps, integral
-    controller, eta 0.05, Lambda 1). The length falls from 47 to a plateau near 34 (10% above B) by step 25 and
+def test_fit_to_a_tiny_run_reproduces_its_response():
+    """tests/data/tiny_cpu_sorted_metrics.jsonl: `laconic-nemo train recipes/tiny_cpu.yaml grpo.sort_by_length=true`
+    (seed 7, 70 steps, integral controller, eta 0.05, Lambda 1). The length falls from 47 to a plateau near 34 (10% above B) by step 25 and
     stays there while lambda keeps rising to 0.63: the run never settles. The fitted model driven by the run's
     lambdas stays within 1.5 tokens (rms) of the observed lengths, and simulated in closed loop with the same
     controller it does not settle either and ends within 2 points of the observed final error."""

@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     ("plan", "laconic_nemo.launch_plan", "validate a recipe for a cluster layout and print the launch commands"),
     ("export", "laconic_nemo.export", "write a training checkpoint as a Hugging Face model folder"),
     ("eval", "laconic_nemo.eval.cli", "evaluate a checkpoint on the math benchmarks (paper Table 1)"),
+    ("simulate", "laconic_nemo.simulate", "choose eta, Lambda and pid gains on a length-response model of a run"),
 ]
 
 

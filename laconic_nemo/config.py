@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
@@ -51,7 +52,12 @@ def resolve_recipe_path(name: str | Path) -> Path:
 def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if path in seen:
         raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(str(s) for s in (*seen, path))}")
-    raw = OmegaConf.load(path)
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from exc
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: a recipe must be a mapping")
     parents = raw.pop("defaults", None) or []
@@ -77,6 +83,9 @@ def _check_known_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> 
             known = ", ".join(sorted(str(k) for k in schema.keys()))
             raise ConfigError(f"unknown config key {dotted!r} (known keys here: {known})")
         sub, sub_schema = cfg[key], schema[key]
+        if isinstance(sub_schema, DictConfig) and not isinstance(sub, DictConfig):
+            raise ConfigError(f"{dotted} = {sub!r} is invalid: allowed a mapping of the keys "
+                              f"{', '.join(sorted(str(k) for k in sub_schema.keys()))}")
         if isinstance(sub_schema, DictConfig) and isinstance(sub, DictConfig):
             _check_known_keys(sub, sub_schema, prefix=f"{dotted}.")
 
@@ -102,9 +111,54 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool 
         _check_known_keys(ov, schema)
         cfg = OmegaConf.merge(cfg, ov)
     OmegaConf.resolve(cfg)
+    check_types(cfg, schema)
     if validate:
         validate_config(cfg)
     return cfg
+
+
+# Keys whose base.yaml default is an integer but which take any real number.
+REAL_KEYS = {"laconic.budget"}
+# Keys whose default is null: the types they take besides null.
+NULLABLE = {
+    "model.path": str, "warmup.cache_dir": str, "laconic.ceiling": float, "laconic.penalty_cap": float,
+    "laconic.alpha": float, "grpo.clip_eps_high": float, "rollout.vllm.max_model_len": int,
+    "data.target_length_range": list,
+}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+
+
+def _type_ok(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, (list, ListConfig))
+    return isinstance(value, kind)
+
+
+def check_types(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> None:
+    """Every value has the type of its base.yaml default (an integer key refuses 2.7 and "abc", a list key
+    refuses a string); keys defaulting to null take null or the type in :data:`NULLABLE`."""
+    for key in schema.keys():
+        dotted = f"{prefix}{key}"
+        default, value = schema[key], cfg[key]
+        if isinstance(default, DictConfig):
+            check_types(value, default, f"{dotted}.")
+            continue
+        if default is None:
+            kind = NULLABLE.get(dotted)
+            if value is None or kind is None:
+                continue
+        else:
+            kind = float if dotted in REAL_KEYS or isinstance(default, float) else type(default)
+            if isinstance(default, ListConfig):
+                kind = list
+        if kind in _TYPE_WORDS and not _type_ok(value, kind):
+            hint = f" (write a list: {dotted}=[{value}])" if kind is list and isinstance(value, str) else ""
+            allowed = _TYPE_WORDS[kind] + (" or null" if default is None else "")
+            raise ConfigError(f"{dotted} = {value!r} is invalid: allowed {allowed}{hint}")
 
 
 def _require(cond: bool, key: str, allowed: str, value) -> None:
@@ -165,6 +219,12 @@ def validate_config(cfg: DictConfig) -> None:
         ceil = float(lc.ceiling) if lc.ceiling is not None else (budget / (lmax - budget) if lmax > budget else math.inf)
         _require(float(lc.lambda_init) <= ceil, "laconic.lambda_init", f"<= the ceiling Lambda = {ceil:g}",
                  lc.lambda_init)
+    _require(lc.controller in ("integral", "pid"), "laconic.controller", "integral or pid", lc.controller)
+    for key in ("kp", "kd"):
+        v = lc[key]
+        _require(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                 f"laconic.{key}", "a finite number >= 0", v)
+        _require(lc.controller == "pid" or v == 0, f"laconic.{key}", "0 unless laconic.controller = pid", v)
     _require(isinstance(lc.count_eos, bool), "laconic.count_eos", "true or false", lc.count_eos)
     _require(float(ro.temperature) > 0, "rollout.temperature", "> 0", ro.temperature)
     _require(0 < float(ro.top_p) <= 1, "rollout.top_p", "in (0, 1]", ro.top_p)
@@ -190,3 +250,9 @@ def validate_config(cfg: DictConfig) -> None:
     _require(not cfg.checkpoint.get("export_hf", False) or m.source == "hf", "checkpoint.export_hf",
              f"false with model.source = {m.source} (only hf runs have a Hugging Face architecture)",
              cfg.checkpoint.get("export_hf"))
+    for key in ("collective_timeout_s", "watchdog_s"):
+        v = cfg.parallel[key]
+        _require(math.isfinite(float(v)) and float(v) > 0, f"parallel.{key}", "a number of seconds > 0", v)
+    for key in cfg.checkpoint.resume_allow_changes:
+        _require(OmegaConf.select(cfg, str(key), default="__missing__") != "__missing__",
+                 "checkpoint.resume_allow_changes", "a list of config keys (e.g. [run.seed])", str(key))

@@ -2,7 +2,8 @@
 
     laconic-nemo export RUN_DIR_OR_CHECKPOINT --to hf OUT_DIR
 
-RUN_DIR_OR_CHECKPOINT is a run directory (``run.output_dir``: its latest complete checkpoint is taken),
+RUN_DIR_OR_CHECKPOINT is a run directory (``run.output_dir``: the complete checkpoint ``resume: auto`` would
+continue from, :func:`laconic_nemo.grpo.resume.find_checkpoint`),
 its ``checkpoints`` folder, or one ``checkpoints/step_XXXXXX`` folder. The per-rank shards
 ``model_tpXX_ppYY.pt`` are merged offline in this one process (no torch.distributed): TP shards are
 concatenated and pipeline stages renumbered by :func:`laconic_nemo.actors.megatron_core.merge_rank_states`
@@ -22,25 +23,14 @@ from typing import Any
 
 import torch
 
+from laconic_nemo.grpo.resume import find_checkpoint
+
 SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 STATE = "trainer_state.json"
 
 
 class ExportError(ValueError):
     """A checkpoint that cannot be exported (missing, incomplete, or without a Hugging Face architecture)."""
-
-
-def latest_complete_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint resume would pick in ``ckpt_root``: the one named by ``latest`` if it is complete,
-    else the highest complete ``step_XXXXXX`` (complete = renamed from ``.tmp`` and holding
-    ``trainer_state.json``, which the trainer writes last); None if there is none."""
-    latest = ckpt_root / "latest"
-    if latest.is_file():
-        p = ckpt_root / latest.read_text().strip()
-        if (p / STATE).is_file() and not p.name.endswith(".tmp"):
-            return p
-    done = sorted(p for p in ckpt_root.glob("step_*") if not p.name.endswith(".tmp") and (p / STATE).is_file())
-    return done[-1] if done else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -56,7 +46,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (p / STATE).is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    found = latest_complete_checkpoint(root)
+    found = find_checkpoint(root)  # the trainer's rule: what `resume: auto` would continue from
     if found is None:
         raise ExportError(f"{p}: no complete checkpoint (a step_XXXXXX folder holding {STATE}) in {root}")
     return found
@@ -150,8 +140,8 @@ def hf_model_dir(model: str | Path, cache_dir: str | Path, hf_config: str | None
     import os
     import shutil
 
-    if (Path(model) / "config.json").is_file() or not Path(model).exists():
-        return str(model)  # a HF folder, or a hub id / missing path left to the backend
+    if (Path(model) / "config.json").is_file():
+        return str(model)
     ckpt = resolve_checkpoint(model).resolve()
     cache = Path(cache_dir)
     marker = cache / MARKER

@@ -89,11 +89,13 @@ def _hf_config(path: str | None) -> dict | None:
 
 
 def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
-                check_paths: bool = True) -> Plan:
+                check_paths: bool = True, cluster: bool = True) -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
 
     hf_model: the HF checkpoint the launch converts to ``model.path`` when that .nemo is missing.
-    check_paths: verify data files and checkpoints exist (off for planning away from the cluster).
+    check_paths: verify data files and checkpoints exist, and every data row (off for planning away from
+    the cluster).
+    cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine (gloo allowed).
     Raises :class:`LayoutError` (a ConfigError) naming the offending key.
     """
     if int(nodes) < 1:
@@ -150,7 +152,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         _fail("rollout.engine", cfg.rollout.engine, "megatron or vllm unless model.source = nemo")
     if world > 1 and m.precision == "fp32" and m.source != "synthetic":
         warnings.append("model.precision = fp32 on GPUs: bf16 is the usual choice")
-    if cfg.parallel.backend == "gloo" and m.source != "synthetic":
+    if cluster and cfg.parallel.backend == "gloo" and m.source != "synthetic":
         _fail("parallel.backend", cfg.parallel.backend, "auto or nccl on a GPU cluster")
 
     conversion = False
@@ -174,6 +176,12 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
             for f in files:
                 if not Path(str(f)).is_file():
                     _fail("data.train_files", str(f), "existing files (see docs/cluster.md, data preparation)")
+            from laconic_nemo.data.datasets import validate_data_files
+
+            try:
+                validate_data_files(files)
+            except ValueError as exc:
+                raise LayoutError(f"data.train_files: {exc}") from exc
 
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,

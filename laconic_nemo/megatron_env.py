@@ -208,7 +208,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> ParallelInfo:
+def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0,
+                     timeout_s: float | None = None) -> ParallelInfo:
     """Initialise torch.distributed and megatron's model-parallel state; seed every generator.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun). Without them a
@@ -216,6 +217,8 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> 
     backend: "auto" (nccl with CUDA, else gloo), "nccl" or "gloo".
     seed: base seed; megatron's model-parallel RNG tracker gets ``seed + 2718 + tp_rank`` as usual and
     the default generator gets ``seed`` (identical on all ranks, so CPU initialisation is identical).
+    timeout_s: how long a collective may wait before it fails, for the default group and every megatron
+    group (None: torch's default for the default group, megatron's 30 minutes for its groups).
     """
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
@@ -229,16 +232,19 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> 
     if not use_cuda:
         apply_cpu_patches()
 
+    from datetime import timedelta
+
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" in os.environ:  # torchrun / srun / the local launcher
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, **timeout)
         else:
             # A one-process world on a private loopback port. The environment is left untouched, so
             # child processes (e.g. a launcher started from a test) do not inherit RANK / WORLD_SIZE.
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, **timeout)
     world_size = dist.get_world_size()
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
@@ -246,8 +252,9 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0) -> 
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
+        extra = {} if timeout_s is None else {"distributed_timeout_minutes": float(timeout_s) / 60.0}
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **extra
         )
 
     import random

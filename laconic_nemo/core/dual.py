@@ -1,6 +1,18 @@
 """The dual (lambda) step of LACONIC: projected gradient ascent on the Lagrange multiplier.
 
-``lambda <- clip(lambda + eta * (mean_L / B - 1), floor, Lambda)``
+``lambda <- clip(lambda + eta * (mean_L / B - 1), floor, Lambda)``   (controller ``integral``, the paper)
+
+Controller ``pid`` (PID Lagrangian, Stooke, Achiam and Abbeel 2020, Algorithm 2) on the same error
+``e_t = mean_L_t / B - 1``, with ``ki = eta``:
+
+``I_t = clip(I_{t-1} + ki * e_t, floor, Lambda)`` (held when lambda sits at a clip and e_t pushes further into it),
+``lambda_t = clip(I_t + kp * e_t + kd * (e_t - e_{t-1}), floor, Lambda)``, ``I_0 = lambda_init``, and the
+derivative term is 0 at the first step. The integral term I is kept in lambda units so that ``kp = kd = 0``
+gives the integral controller bit for bit. Anti-windup: clipping I into [floor, Lambda] is Stooke et al.'s
+``I <- (I + Delta)_+`` with the ceiling added; holding I while lambda is saturated (conditional integration)
+stops the P and D terms from winding I up against a clip. Unlike Stooke et al.'s one-sided derivative
+``(J_C - J_C,prev)_+``, the derivative is two-sided: a length that falls fast lowers lambda before it
+undershoots B.
 
 The initial lambda is used as given: it may lie below the floor (the authors' scripts start at
 ``lambda_len_init = 0`` with ``lambda_floor = 1e-5``); the first dual step clips it into [floor, Lambda].
@@ -16,7 +28,9 @@ from typing import Any, Mapping
 
 from laconic_nemo.core.costs import check_budget
 
-__all__ = ["DualController", "default_ceiling"]
+__all__ = ["CONTROLLERS", "DualController", "default_ceiling"]
+
+CONTROLLERS = ("integral", "pid")
 
 
 def _finite(name: str, value: Any, allowed: str) -> float:
@@ -58,6 +72,9 @@ class DualController:
         init: initial lambda, in [0, ceiling]; a value below ``floor`` is kept unclipped until the
             first update, which clips it into [floor, ceiling] (the authors' code starts at 0 with floor 1e-5).
         floor: lower clip of lambda, >= 0 (the paper uses 0, the authors' DeepScaleR script 1e-5).
+        controller: ``integral`` (the paper's step) or ``pid`` (module docstring); eta is the integral gain ki.
+        kp: proportional gain >= 0 (pid only; lambda per unit of relative error mean_L / B - 1).
+        kd: derivative gain >= 0 (pid only).
     """
 
     def __init__(
@@ -68,8 +85,21 @@ class DualController:
         max_length: int | None = None,
         init: float = 0.0,
         floor: float = 0.0,
+        controller: str = "integral",
+        kp: float = 0.0,
+        kd: float = 0.0,
     ) -> None:
         self.budget = check_budget(budget)
+        if controller not in CONTROLLERS:
+            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}, got {controller!r}")
+        self.controller = controller
+        self.kp = _finite("kp", kp, "a finite number >= 0")
+        self.kd = _finite("kd", kd, "a finite number >= 0")
+        for name, v in (("kp", self.kp), ("kd", self.kd)):
+            if v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+            if v != 0 and controller == "integral":
+                raise ValueError(f"{name} = {v!r} needs controller = 'pid' (the integral controller has only eta)")
         self.eta = _finite("eta", eta, "a finite number >= 0")
         if self.eta < 0:
             raise ValueError(f"eta must be a finite number >= 0, got {eta!r}")
@@ -94,6 +124,8 @@ class DualController:
                              f"is allowed: the first update clips it), got {init!r}")
         self._lam = init_v
         self.num_updates = 0
+        self._integral = init_v          # pid: the integral term I, in lambda units
+        self._prev_error: float | None = None  # pid: e_{t-1}; None before the first update
 
     @property
     def value(self) -> float:
@@ -112,24 +144,56 @@ class DualController:
 
         ``lambda <- min(max(lambda + eta * (mean_L / B - 1), floor), ceiling)``.
         """
+        if self.controller == "pid":
+            return self._pid_update(mean_length)
         lam = self._lam + self.step_size(mean_length)
         self._lam = min(max(lam, self.floor), self.ceiling)
         self.num_updates += 1
         return self._lam
 
+    def _pid_update(self, mean_length: float) -> float:
+        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0")
+        if ml < 0:
+            raise ValueError(f"mean_length must be a finite number of tokens >= 0, got {mean_length!r}")
+        err = ml / self.budget - 1.0
+        deriv = 0.0 if self._prev_error is None else err - self._prev_error
+        lam_prev = self._lam
+        if (lam_prev >= self.ceiling and err > 0.0) or (lam_prev <= self.floor and err < 0.0):
+            integral = min(max(self._integral, self.floor), self.ceiling)  # held (conditional integration)
+        else:
+            integral = min(max(self._integral + self.eta * err, self.floor), self.ceiling)
+        lam = integral + self.kp * err + self.kd * deriv
+        self._integral = integral
+        self._prev_error = err
+        self._lam = min(max(lam, self.floor), self.ceiling)
+        self.num_updates += 1
+        return self._lam
+
+    @property
+    def integral(self) -> float:
+        """The integral term I of the pid controller (equals lambda for the integral controller)."""
+        return self._integral if self.controller == "pid" else self._lam
+
     def state_dict(self) -> dict[str, Any]:
         """Plain Python scalars (floats round-trip exactly through pickle, torch.save and json).
 
-        An infinite ceiling (no upper clip) is stored as None.
+        An infinite ceiling (no upper clip) is stored as None. The pid controller adds its integral term and
+        previous error (None before the first update).
         """
-        return {
+        state = {
             "lam": self._lam,
             "budget": self.budget,
             "eta": self.eta,
             "ceiling": None if math.isinf(self.ceiling) else self.ceiling,
             "floor": self.floor,
             "num_updates": self.num_updates,
+            "controller": self.controller,
+            "kp": self.kp,
+            "kd": self.kd,
         }
+        if self.controller == "pid":
+            state.update(integral=self._integral, prev_error=self._prev_error)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore lambda (bit for bit) and the update count.
@@ -137,19 +201,29 @@ class DualController:
         With ``strict=True`` (default) a saved budget / eta / ceiling / floor that differs from this
         controller's raises ValueError naming the key. With ``strict=False`` the current settings are
         kept and the restored lambda is clipped into [floor, ceiling]. A state saved before the first update
-        (``num_updates == 0``) may hold an initial lambda in [0, floor).
+        (``num_updates == 0``) may hold an initial lambda in [0, floor). A state without ``controller`` (saved
+        before the pid controller existed) is an integral controller's with kp = kd = 0.
         """
         for key in ("lam", "budget", "eta", "ceiling", "floor"):
             if key not in state:
                 raise ValueError(f"dual state_dict is missing key {key!r}")
+        state = {"controller": "integral", "kp": 0.0, "kd": 0.0, **state}
+        if state["controller"] == "pid":
+            for key in ("integral", "prev_error"):
+                if key not in state:
+                    raise ValueError(f"dual state_dict of the pid controller is missing key {key!r}")
         lam = _finite("lam", state["lam"], "a finite number")
         if strict:
             mine = self.state_dict()
-            for key in ("budget", "eta", "ceiling", "floor"):
+            if state["controller"] != self.controller:
+                raise ValueError(f"dual state mismatch on 'controller': checkpoint has {state['controller']!r}, this "
+                                 f"run has {self.controller!r}")
+            for key in ("budget", "eta", "ceiling", "floor", "kp", "kd"):
                 saved = state[key]
                 if (saved is None) != (mine[key] is None) or (saved is not None and float(saved) != mine[key]):
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "
-                                     f"{mine[key]!r} (pass strict=False to keep this run's settings)")
+                                     f"{mine[key]!r} (to keep this run's settings, name the laconic key in "
+                                     "checkpoint.resume_allow_changes)")
             low = 0.0 if int(state.get("num_updates", 0)) == 0 else self.floor
             if not (low <= lam <= self.ceiling):
                 raise ValueError(f"lam in checkpoint ({lam!r}) is outside [{low!r}, ceiling] = "
@@ -158,7 +232,17 @@ class DualController:
         else:
             self._lam = min(max(lam, self.floor), self.ceiling)
         self.num_updates = int(state.get("num_updates", 0))
+        if self.controller == "pid":
+            if state["controller"] == "pid":
+                self._integral = _finite("integral", state["integral"], "a finite number")
+                prev = state["prev_error"]
+                self._prev_error = None if prev is None else _finite("prev_error", prev, "a finite number or None")
+            else:  # switching from an integral checkpoint (strict=False): lambda seeds the integral term
+                self._integral, self._prev_error = self._lam, None
+            if not strict:
+                self._integral = min(max(self._integral, self.floor), self.ceiling)
 
     def __repr__(self) -> str:
         return (f"DualController(lam={self._lam!r}, budget={self.budget!r}, eta={self.eta!r}, "
-                f"ceiling={self.ceiling!r}, floor={self.floor!r})")
+                f"ceiling={self.ceiling!r}, floor={self.floor!r}, controller={self.controller!r}, kp={self.kp!r}, "
+                f"kd={self.kd!r})")

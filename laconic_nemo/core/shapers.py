@@ -59,7 +59,7 @@ __all__ = [
 # correctness threshold of the indicator-based baselines. count_eos is read by the trainer (which lengths it
 # hands the shaper, see core.costs.cost_lengths) and ignored here.
 CONFIG_KEYS = (
-    "shaper", "budget", "eta", "ceiling", "lambda_init", "floor", "penalty_cap", "hit_cap", "alpha",
+    "shaper", "budget", "eta", "ceiling", "lambda_init", "floor", "controller", "kp", "kd", "penalty_cap", "hit_cap", "alpha",
     "overlong_buffer", "overlong_penalty", "max_length", "correct_threshold", "count_eos",
 )
 
@@ -281,6 +281,8 @@ class LaconicShaper(_LagrangianShaper):
         penalty_cap: cap on the per-response penalty lambda * c (authors' code: 0.4); None = no cap.
         hit_cap: extra penalty for truncated responses (authors' code: 0.1); 0 = none.
         max_length: L_max.
+        controller, kp, kd: the lambda controller, ``integral`` (paper) or ``pid`` with gains kp, ki = eta, kd
+            (see :mod:`laconic_nemo.core.dual`).
     """
 
     name = "laconic"
@@ -288,8 +290,16 @@ class LaconicShaper(_LagrangianShaper):
 
     def __init__(self, budget: float, eta: float = 0.002, ceiling: float | None = None, lambda_init: float = 0.0,
                  floor: float = 0.0, penalty_cap: float | None = None, hit_cap: float = 0.0,
-                 max_length: float | None = None, correct_threshold: float = 0.5) -> None:
+                 max_length: float | None = None, correct_threshold: float = 0.5, controller: str = "integral",
+                 kp: float = 0.0, kd: float = 0.0) -> None:
         super().__init__(budget, max_length, penalty_cap, hit_cap, correct_threshold)
+        if controller not in ("integral", "pid"):
+            raise ValueError(f"laconic.controller must be integral or pid, got {controller!r}")
+        kp = _num("kp", kp if kp is not None else 0.0, "a finite number >= 0", low=0.0)
+        kd = _num("kd", kd if kd is not None else 0.0, "a finite number >= 0", low=0.0)
+        if controller == "integral" and (kp or kd):
+            raise ValueError(f"laconic.kp = {kp!r} and laconic.kd = {kd!r} need laconic.controller = pid "
+                             "(the integral controller has only eta)")
         eta = _num("eta", eta, "a finite number >= 0", low=0.0)
         floor = _num("floor", floor if floor is not None else 0.0, "a finite number >= 0", low=0.0)
         if ceiling is None:
@@ -310,7 +320,7 @@ class LaconicShaper(_LagrangianShaper):
             raise ValueError(f"laconic.lambda_init must be in [0, ceiling] = [0, {ceil!r}] (below laconic.floor is "
                              f"allowed: the first dual step clips it), got {lambda_init!r}")
         self.dual = DualController(self.budget, eta, ceiling=ceil if math.isfinite(ceil) else None,
-                                   init=lam0, floor=floor)
+                                   init=lam0, floor=floor, controller=controller, kp=kp, kd=kd)
 
     @property
     def lam(self) -> float:
@@ -442,9 +452,9 @@ class OverlongShaper(RewardShaper):
 # --------------------------------------------------------------------------------------------------------------
 _REGISTRY: dict[str, tuple[type[RewardShaper], tuple[str, ...]]] = {
     "laconic": (LaconicShaper, ("budget", "eta", "ceiling", "lambda_init", "floor", "penalty_cap", "hit_cap",
-                                "max_length", "correct_threshold")),
+                                "max_length", "correct_threshold", "controller", "kp", "kd")),
     "linear": (LinearCostShaper, ("budget", "eta", "ceiling", "lambda_init", "floor", "penalty_cap", "hit_cap",
-                                  "max_length", "correct_threshold")),
+                                  "max_length", "correct_threshold", "controller", "kp", "kd")),
     "fixed": (FixedLambdaShaper, ("budget", "lambda_init", "penalty_cap", "hit_cap", "max_length",
                                   "correct_threshold")),
     "grpo": (GRPOShaper, ("budget", "max_length", "correct_threshold")),

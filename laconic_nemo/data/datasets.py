@@ -70,6 +70,7 @@ def chat_messages(template: str, problem: str) -> list[dict] | None:
 class PromptItem:
     prompt: str
     answer: Any
+    source: str = ""  # file and line the row came from (error messages)
 
 
 def render(template: str, problem: str) -> str:
@@ -80,34 +81,76 @@ def render(template: str, problem: str) -> str:
     return TEMPLATES[template].replace("{{}}", "{}").replace("{problem}", problem)
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a .json (list of objects), .jsonl or .parquet file."""
+def read_rows(path: str | Path) -> list[tuple[str, Any]]:
+    """(location, row) pairs of a .json (list of objects), .jsonl or .parquet file; the location names the
+    1-based line (.jsonl, blank lines counted) or row (.json, .parquet). Parse errors raise ValueError
+    naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     if path.suffix == ".jsonl":
+        rows = []
         with path.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"line {n}", json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+        return rows
     if path.suffix == ".json":
-        rows = json.loads(path.read_text())
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of rows")
-        return rows
+        return [(f"row {i}", r) for i, r in enumerate(rows, start=1)]
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # optional dependency, present in the NeMo container
 
-        return pq.read_table(path).to_pylist()
+        return [(f"row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist(), start=1)]
     raise ValueError(f"{path}: unsupported data file type {path.suffix!r} (use .json, .jsonl or .parquet)")
 
 
+def _scalar_answer(a: Any) -> bool:
+    return (isinstance(a, str) and bool(a.strip())) or (isinstance(a, (int, float)) and not isinstance(a, bool))
+
+
+def check_row(row: Any, where: str) -> None:
+    """A row needs ``problem``: a non-empty string, and ``answer``: a non-empty string, a number, or a
+    non-empty list of those. Raises ValueError naming ``where`` (file and line) and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object with fields 'problem' and 'answer', got {row!r:.60}")
+    for field in ("problem", "answer"):
+        if field not in row:
+            raise ValueError(f"{where}: field {field!r} is missing (the row has {sorted(row)})")
+    p, a = row["problem"], row["answer"]
+    if not isinstance(p, str) or not p.strip():
+        raise ValueError(f"{where}: field 'problem' = {p!r:.60} is invalid: allowed a non-empty string")
+    if not (_scalar_answer(a) or (isinstance(a, list) and a and all(_scalar_answer(x) for x in a))):
+        raise ValueError(f"{where}: field 'answer' = {a!r:.60} is invalid: allowed a non-empty string, a number "
+                         "or a non-empty list of those")
+
+
+def validate_data_files(files: Sequence[str | Path]) -> int:
+    """Read and check every row of ``files`` (see :func:`check_row`); returns the number of rows."""
+    n = 0
+    for f in files:
+        for loc, row in read_rows(f):
+            check_row(row, f"{f} {loc}")
+            n += 1
+    return n
+
+
 def load_math_prompts(files: Sequence[str | Path], template: str) -> list[PromptItem]:
-    """All rows of ``files`` as prompts. Rows without a problem or answer raise ValueError."""
+    """All rows of ``files`` as prompts; an invalid row raises ValueError naming file, line and field."""
     if not files:
         raise ValueError("data.train_files is empty: give at least one problem file")
     items = []
     for f in files:
-        for i, row in enumerate(read_rows(f)):
-            if "problem" not in row or "answer" not in row:
-                raise ValueError(f"{f} row {i}: needs fields 'problem' and 'answer', has {sorted(row)}")
-            items.append(PromptItem(render(template, str(row["problem"])), row["answer"]))
+        for loc, row in read_rows(f):
+            check_row(row, f"{f} {loc}")
+            items.append(PromptItem(render(template, row["problem"]), row["answer"], f"{f} {loc}"))
     return items

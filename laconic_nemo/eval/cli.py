@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 
 def register(subparsers) -> None:
@@ -35,7 +34,63 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
+def check_args(args) -> str | None:
+    """The first user error in ``args`` (a message naming the flag), or None. Runs before any model,
+    backend or network library is touched; a local model path that does not exist is an error, never a
+    Hugging Face Hub lookup."""
+    from laconic_nemo.eval.benchmarks import parse_benchmarks
+
+    model = os.path.expanduser(args.model)
+    if not os.path.isdir(model):
+        what = "is a file" if os.path.exists(model) else "does not exist"
+        return (f"--model {args.model!r} {what}: give a local Hugging Face checkpoint folder (with config.json); "
+                "models are never downloaded here")
+    run_like = any(os.path.exists(os.path.join(model, f)) for f in ("trainer_state.json", "checkpoints", "latest"))
+    if not os.path.isfile(os.path.join(model, "config.json")) and not run_like:
+        return (f"--model {args.model!r} has no config.json: not a Hugging Face checkpoint folder, nor a training "
+                "run or checkpoint to export")
+    try:
+        parse_benchmarks(args.benchmarks)
+    except ValueError as exc:
+        return str(exc)
+    positive = {"--n-samples": args.n_samples, "--max-tokens": args.max_tokens, "--chunk-prompts": args.chunk_prompts,
+                "--tensor-parallel-size": args.tensor_parallel_size,
+                "--batch-size": args.batch_size}
+    if args.limit is not None:
+        positive["--limit"] = args.limit
+    for flag, value in positive.items():
+        if value < 1:
+            return f"{flag} = {value} is invalid: allowed an integer >= 1"
+    if args.grader_workers < 0:
+        return f"--grader-workers = {args.grader_workers} is invalid: allowed an integer >= 0 (0: grade in-process)"
+    if not args.temperature > 0:
+        return f"--temperature = {args.temperature} is invalid: allowed > 0"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p = {args.top_p} is invalid: allowed in (0, 1]"
+    if not 0 < args.gpu_memory_utilization <= 1:
+        return f"--gpu-memory-utilization = {args.gpu_memory_utilization} is invalid: allowed in (0, 1]"
+    if args.base_summary is not None and not os.path.isfile(args.base_summary):
+        return f"--base-summary {args.base_summary!r} does not exist"
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        return f"--output-dir {args.output_dir!r} is a file, not a folder"
+    if args.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return "--backend vllm needs the `vllm` package (GPU): install laconic-nemo[vllm], or use --backend transformers"
+    return None
+
+
 def main(args) -> int:
+    import sys
+
+    error = check_args(args)
+    if error is not None:
+        print(f"laconic-nemo eval: {error}", file=sys.stderr)
+        return 2
+    # every model path is local (checked above): the Hub is never contacted
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from laconic_nemo.eval.backends import EvalSampling, TransformersBackend, VLLMBackend
     from laconic_nemo.eval.benchmarks import parse_benchmarks
     from laconic_nemo.eval.runner import evaluate

@@ -59,7 +59,7 @@ class StepOneBuild:
 
     shaper: str
     lambda_init: float
-    dual: dict | None             # DualController state (budget, eta, ceiling, floor) for laconic / linear
+    dual: dict | None             # DualController settings (budget, eta, ceiling, floor, controller, kp, kd)
     advantages: dict
     loss: dict
     reward: str
@@ -101,7 +101,8 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild
 
         probe = copy.deepcopy(shaper.dual)
         probe.update(float(lengths.float().mean()))
-        dual = {k: v for k, v in shaper.dual.state_dict().items() if k in ("budget", "eta", "ceiling", "floor")}
+        dual = {k: v for k, v in shaper.dual.state_dict().items()
+                if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
 
     loss_kw = loss_settings(cfg)
     mask = torch.ones(2, 3)
@@ -136,7 +137,7 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild
 
 def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None) -> None:
     """Tokenizer and the template applied to the first data row, each only when its path exists here."""
-    from laconic_nemo.data.datasets import chat_messages, read_rows, render
+    from laconic_nemo.data.datasets import chat_messages, check_row, read_rows, render
 
     template = str(cfg.data.prompt_template)
     render(template, "")  # an unknown template name fails here, with or without data
@@ -146,9 +147,8 @@ def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None) -> None:
         rows = read_rows(files[0])
         if not rows:
             raise ValueError(f"data.train_files: {files[0]} has no rows")
-        row = rows[0]
-        if "problem" not in row or "answer" not in row:
-            raise ValueError(f"data.train_files: {files[0]} row 0 needs fields 'problem' and 'answer', has {sorted(row)}")
+        loc, row = rows[0]
+        check_row(row, f"{files[0]} {loc}")
         out.prompt_preview = render(template, str(row["problem"]))
     if tok_path is None:
         return

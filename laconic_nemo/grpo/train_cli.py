@@ -39,23 +39,61 @@ def register(subparsers) -> None:
 
 
 def _split_nprocs(args) -> None:
-    """Take ``--nprocs N`` out of the overrides wherever it was written."""
+    """Take ``--nprocs N`` out of the overrides wherever it was written; refuse anything but an integer >= 1."""
     rest, items = [], list(args.overrides or [])
     while items:
         item = items.pop(0)
-        if item == "--nprocs" and items:
-            args.nprocs = int(items.pop(0))
+        if item == "--nprocs":
+            if not items:
+                raise ConfigError("--nprocs needs a value: an integer >= 1")
+            args.nprocs = items.pop(0)
         elif item.startswith("--nprocs="):
-            args.nprocs = int(item.split("=", 1)[1])
+            args.nprocs = item.split("=", 1)[1]
         else:
             rest.append(item)
     args.overrides = rest
+    if args.nprocs is not None:
+        value = str(args.nprocs)
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"--nprocs = {value!r} is invalid: allowed an integer >= 1")
+        args.nprocs = int(value)
+
+
+# A SIGUSR1 / SIGTERM that arrives before the trainer installs its own handler (start-up, imports,
+# model construction) is recorded here and honoured as soon as the ranks can agree to stop.
+_EARLY_SIGNAL: list[int] = []
+
+
+def _install_early_stop() -> None:
+    def handler(signum, _frame):
+        _EARLY_SIGNAL.append(signum)
+
+    for s in (signal.SIGUSR1, signal.SIGTERM):
+        try:
+            signal.signal(s, handler)
+        except ValueError:  # not the main thread
+            pass
 
 
 def run(args) -> int:
-    _split_nprocs(args)
+    from laconic_nemo.faults import heartbeat
+    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV, preflight_train
+
+    launcher = "WORLD_SIZE" not in os.environ
+    _install_early_stop()
+    if not launcher:
+        heartbeat("start-up")  # this rank now turns a forwarded signal into a clean stop
     try:
+        _split_nprocs(args)
         cfg = load_config(args.recipe, args.overrides)
+        nprocs = world = int(os.environ.get("WORLD_SIZE", "1"))
+        if launcher:
+            model_parallel = int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
+            nprocs = world = args.nprocs or model_parallel
+            if nprocs % model_parallel:
+                raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
+        if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
+            preflight_train(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except (ConfigError, FileNotFoundError) as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
@@ -64,56 +102,128 @@ def run(args) -> int:
     except OutputDirLocked as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
-    if "WORLD_SIZE" not in os.environ:
-        model_parallel = int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
-        nprocs = args.nprocs or model_parallel
-        if nprocs % model_parallel:
-            print(f"laconic-nemo train: --nprocs {nprocs} must be a multiple of TP x PP = {model_parallel}",
-                  file=sys.stderr)
-            return 2
-        if nprocs > 1:
-            return launch_local(nprocs, [args.recipe, *args.overrides])
+    if _EARLY_SIGNAL:
+        print(f"laconic-nemo train: stopped on signal {_EARLY_SIGNAL[0]} during start-up; nothing to save yet",
+              file=sys.stderr)
+        return 3
+    if launcher and nprocs > 1:
+        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=float(cfg.parallel.watchdog_s))
     return train(cfg)
 
 
-def launch_local(nprocs: int, argv: list[str]) -> int:
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name}"
+    return f"exited with status {code}"
+
+
+def _stall_report(procs, heartbeat_dir: str, watchdog_s: float) -> str:
+    """Which rank stalled: a stopped process first, else the one whose last progress is oldest."""
+    from laconic_nemo.faults import process_state, read_heartbeat
+
+    now = time.time()
+    rows = []
+    for r, p in enumerate(procs):
+        beat = read_heartbeat(heartbeat_dir, r)
+        state = process_state(p.pid)
+        where = (f"last progress: {beat['phase']} of step {beat['step']}, {now - beat['mtime']:.0f} s ago"
+                 if beat else "no progress since it started")
+        rows.append((state.startswith("stopped"), -(now - beat["mtime"]) if beat else -1e18, r,
+                     f"rank {r} (pid {p.pid}): {where}, process {state or 'state unknown'}"))
+    stalled = min(rows, key=lambda x: (not x[0], x[1]))
+    others = "; ".join(x[3] for x in rows if x[2] != stalled[2])
+    return (f"laconic-nemo train: no rank made progress for {watchdog_s:.0f} s (parallel.watchdog_s): "
+            f"stalled rank: {stalled[3]}" + (f"; {others}" if others else "") + ". Stopping every rank.")
+
+
+def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_s: float = 5.0) -> int:
     """Start ``nprocs`` ranks of this command on this machine (torchrun's environment variables) and
-    wait for them. SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does
-    on a cluster, so a preempted local run checkpoints and stops too. If a rank fails, the others are
-    stopped. Returns 0 when all ranks finished, 3 when they stopped on a signal, else a rank's failure code."""
+    wait for them.
+
+    * SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does on a cluster,
+      so a preempted local run checkpoints and stops too; a rank still starting up gets the signal as
+      soon as it can handle it (its first heartbeat).
+    * When a rank fails, the launcher says which and how (exit status or signal) and stops the others
+      ``grace_s`` seconds later (they would wait on collectives).
+    * Watchdog: when no rank has made progress for ``watchdog_s`` seconds, it names the stalled rank
+      (a stopped process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
+
+    Returns 0 when all ranks finished, 3 when they stopped on a signal, 4 on a hang, else the failed
+    rank's exit status (1 when it died on a signal)."""
+    import tempfile
+
+    from laconic_nemo.faults import HEARTBEAT_ENV, read_heartbeat
     from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV
 
     port = free_port()
+    heartbeat_dir = tempfile.mkdtemp(prefix="laconic_heartbeat_")
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    received[:0] = _EARLY_SIGNAL  # one that came before this handler replaced the start-up one
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
     procs = []
     for rank in range(nprocs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.grpo.train_cli", *argv], env=env))
+    delivered = [0] * nprocs
+    failed_at, first_code, reported, stopped_by_us = None, None, set(), set()
+    started = time.time()
 
-    def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+    def say(msg):
+        print(f"laconic-nemo train: {msg}", file=sys.stderr, flush=True)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
     try:
-        failed_at = None
         while any(p.poll() is None for p in procs):
-            codes = [p.poll() for p in procs]
-            if failed_at is None and any(c not in (None, 0, 3) for c in codes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > 10:
-                for p in procs:  # a rank died: the survivors would wait on collectives forever
+            for r, p in enumerate(procs):  # forward signals to the ranks ready to handle them
+                if delivered[r] < len(received) and p.poll() is None and read_heartbeat(heartbeat_dir, r):
+                    for s in received[delivered[r]:]:
+                        p.send_signal(s)
+                    delivered[r] = len(received)
+            for r, p in enumerate(procs):
+                code = p.poll()
+                if code is not None and code not in (0, 3) and r not in reported and r not in stopped_by_us:
+                    reported.add(r)
+                    say(f"rank {r} (pid {p.pid}) {_how(code)}")
+                    if failed_at is None:
+                        failed_at, first_code = time.monotonic(), code
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for r, p in enumerate(procs):  # the survivors would wait on collectives forever
                     if p.poll() is None:
+                        say(f"stopping rank {r} (pid {p.pid}): another rank failed")
+                        stopped_by_us.add(r)
                         p.kill()
+            if failed_at is None:
+                beats = [read_heartbeat(heartbeat_dir, r) for r in range(nprocs)]
+                last = max([b["mtime"] for b in beats if b] + [started])
+                if time.time() - last > watchdog_s:
+                    say(_stall_report(procs, heartbeat_dir, watchdog_s)[len("laconic-nemo train: "):])
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    for p in procs:
+                        p.wait()
+                    return 4
             time.sleep(0.2)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        shutil.rmtree(heartbeat_dir, ignore_errors=True)
     codes = [p.returncode for p in procs]
+    if first_code is not None:
+        return first_code if first_code > 0 else 1
     bad = [c for c in codes if c not in (0, 3)]
     if bad:
         return bad[0] if bad[0] > 0 else 1
@@ -164,6 +274,17 @@ def build_task(cfg: DictConfig):
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    from laconic_nemo.launch_plan import _hf_config
+
+    hf = _hf_config(str(cfg.model.path)) or {}
+    context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
+    room = context - int(cfg.rollout.max_new_tokens)
+    for item in items:
+        n = len(tok.encode(item.prompt, add_special_tokens=False))
+        if n > room:
+            raise ConfigError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
+                              f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} at most {room} fit the "
+                              f"context of {context} tokens")
     reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
 
     def encode(text):
@@ -180,14 +301,18 @@ def train(cfg: DictConfig) -> int:
     import torch
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.faults import heartbeat
     from laconic_nemo.grpo.plots import plot_training_curves
+    from laconic_nemo.grpo.resume import read_metrics
     from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
     from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
     torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
     info = init_distributed(int(cfg.parallel.tensor_model_parallel_size),
                             int(cfg.parallel.pipeline_model_parallel_size),
-                            backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))
+                            backend=str(cfg.parallel.backend), seed=int(cfg.run.seed),
+                            timeout_s=float(cfg.parallel.collective_timeout_s))
+    heartbeat("start-up")
     is_logger = info.rank == 0
 
     def log(msg: str):
@@ -205,7 +330,9 @@ def train(cfg: DictConfig) -> int:
         encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example = build_task(cfg)
         if vocab_size is not None:
             OmegaConf.update(cfg, "model.vocab_size", vocab_size)
+        heartbeat("build model")
         actor = MegatronCoreActor.from_config(cfg)
+        heartbeat("build trainer")
         if cfg.rollout.engine == "vllm":
             if cfg.model.source != "hf":
                 raise ConfigError("rollout.engine = vllm needs model.source = hf (vLLM loads the checkpoint)")
@@ -221,13 +348,29 @@ def train(cfg: DictConfig) -> int:
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(prompts)}; output {cfg.run.output_dir}")
         trainer = GRPOTrainer(cfg, actor, encode, decode, prompts, reward_fn, eos_id)
+        trainer._install_signal_handlers()
+        if _EARLY_SIGNAL and trainer._stop_signal is None:
+            trainer._stop_signal = _EARLY_SIGNAL[0]
+        if trainer._should_stop():
+            log("stopped on a signal during start-up; nothing to save yet")
+            return 3
         if int(cfg.warmup.num_steps) > 0 and trainer.find_resume_checkpoint() is None:
-            _warmup(cfg, actor, warmup_example, pad_id, info, log)
+            if not _warmup(cfg, actor, warmup_example, pad_id, info, log, trainer._should_stop):
+                log("stopped on a signal during the warm-up; its progress is saved and a rerun continues it")
+                return 3
+            if trainer._should_stop():
+                log("stopped on a signal after the warm-up; the warmed-up policy is cached")
+                return 3
+        heartbeat("resume")
         status = trainer.fit()
-        if is_logger and trainer.history:
-            s = summarize(trainer.history)
-            log("summary: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
-            if cfg.logging.plot:
+        heartbeat("finish")
+        if is_logger:
+            # the whole run, also the steps before a resume
+            rows, _ = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+            if rows:
+                s = summarize(rows)
+                log("summary: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+            if rows and cfg.logging.plot:
                 png = plot_training_curves(Path(cfg.run.output_dir) / "metrics.jsonl",
                                            Path(cfg.run.output_dir) / "training_curves.png",
                                            title=f"{cfg.run.name}: shaper {cfg.laconic.shaper}, B={cfg.laconic.budget}")
@@ -239,7 +382,9 @@ def train(cfg: DictConfig) -> int:
         destroy_distributed()
 
 
-def _warmup(cfg, actor, warmup_example, pad_id, info, log):
+def _warmup(cfg, actor, warmup_example, pad_id, info, log, should_stop=None) -> bool:
+    """Warm up the policy (or load the cached result). Returns False when stopped by a signal: the steps
+    done so far (model, optimiser, step) are saved next to the cache and a rerun continues from them."""
     import torch
     import torch.distributed as dist
 
@@ -249,14 +394,45 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log):
         raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
     cache = _warmup_cache_dir(cfg)
     shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
+    partial = cache.with_name(cache.name + ".partial")
+    total = int(cfg.warmup.num_steps)
+
+    def barrier():
+        if dist.is_initialized():
+            dist.barrier()
+
     if (cache / "done").is_file():
         actor.load_model_state(torch.load(shard, weights_only=False))
         log(f"warm-up: loaded cached policy {cache}")
     else:
-        log(f"warm-up: {cfg.warmup.num_steps} supervised steps, batch {cfg.warmup.batch_size}")
         actor.set_learning_rate(float(cfg.warmup.lr))
-        supervised_warmup(actor, warmup_example, int(cfg.warmup.num_steps), int(cfg.warmup.batch_size),
-                          int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log)
+        start = 0
+        if (partial / "progress.json").is_file():
+            start = int(json.loads((partial / "progress.json").read_text())["step"])
+            actor.load_checkpoint_state(torch.load(partial / shard.name, weights_only=False))
+            log(f"warm-up: continuing the interrupted warm-up at step {start + 1}/{total}")
+        else:
+            log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size}")
+        losses = supervised_warmup(actor, warmup_example, total, int(cfg.warmup.batch_size),
+                                   int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log,
+                                   start_step=start, should_stop=should_stop)
+        done_steps = start + len(losses)
+        if done_steps < total:  # stopped by a signal: save what is done
+            if info.rank == 0:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            barrier()
+            if actor.dp_rank == 0:
+                torch.save(actor.state_dict_for_checkpoint(), partial / shard.name)
+            barrier()
+            if info.rank == 0:
+                tmp = partial / "progress.json.tmp"
+                tmp.write_text(json.dumps({"step": done_steps, "of": total}))
+                os.replace(tmp, partial / "progress.json")
+            barrier()
+            log(f"warm-up: saved {done_steps}/{total} steps in {partial}")
+            return False
         # rank 0 names the temporary folder (unique per process) and tells the other ranks
         tmp_list = [str(cache.with_name(f"{cache.name}.tmp{os.getpid()}"))]
         if dist.is_initialized():
@@ -264,25 +440,24 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log):
         tmp = Path(tmp_list[0])
         if info.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         if actor.dp_rank == 0:
             torch.save(actor.model_state(), tmp / shard.name)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         if info.rank == 0:
             (tmp / "done").write_text("ok")
             if cache.exists():  # another run with the same settings finished first: keep its copy
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 os.replace(tmp, cache)
-        if dist.is_initialized():
-            dist.barrier()
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
         log(f"warm-up: cached policy in {cache}")
     # RL starts from the warmed-up weights with a fresh optimiser at the RL learning rate; this
     # policy is also the reference for the KL term.
     actor.reset_optimizer(lr=float(cfg.optim.lr))
     actor.snapshot_reference()
+    return True
 
 
 def main(argv=None) -> int:

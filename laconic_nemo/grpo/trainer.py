@@ -13,7 +13,7 @@ One step (every rank runs the same code, SPMD):
 7. dual step ``lambda <- clip(lambda + eta * (mean_L / B - 1), floor, Lambda)`` where mean_L is
    the exact global mean (int64 all-reduce of the sum of L and the count over DP): every rank
    computes the same Python float from the same integers, so lambda agrees bit for bit;
-8. metrics (one progress line, one JSON object per step in ``metrics.jsonl``), checkpoint.
+8. metrics (one progress line, one JSON object per step in ``metrics.jsonl``), then the checkpoint.
 
 Checkpoints (``<output_dir>/checkpoints/step_XXXXXX``) hold the model + optimiser shard of each
 (TP, PP) coordinate (written by DP rank 0), every rank's RNG state, and ``trainer_state.json``
@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.core import cost_lengths, group_advantages
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
+from laconic_nemo.faults import armed, fault_point, fire, heartbeat
 from laconic_nemo.grpo.build import advantage_settings, build_shaper, loss_settings
 from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
@@ -73,9 +74,12 @@ def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torc
 @dataclass
 class Timer:
     seconds: dict[str, float]
+    step: int = 0  # 1-based step being timed (heartbeats and fault points name it)
 
     @contextmanager
     def __call__(self, phase: str):
+        heartbeat(phase, self.step)
+        fault_point(phase, self.step)
         t0 = time.perf_counter()
         try:
             yield
@@ -198,7 +202,7 @@ class GRPOTrainer:
         return payload[0]
 
     def train_step(self, step: int) -> dict[str, Any]:
-        timer = Timer({})
+        timer = Timer({}, step=step + 1)
         t_start = time.perf_counter()
         gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
 
@@ -286,6 +290,8 @@ class GRPOTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
+        heartbeat("checkpoint", step)
+        fault_point("checkpoint", step)
         final = self._ckpt_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_logger:
@@ -315,6 +321,7 @@ class GRPOTrainer:
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        fault_point("checkpoint_written", step)
         self._barrier()
         if self.is_logger:
             if final.exists():
@@ -333,29 +340,30 @@ class GRPOTrainer:
             shutil.rmtree(old, ignore_errors=True)
 
     def find_resume_checkpoint(self) -> Path | None:
-        mode = str(self.cfg.checkpoint.resume)
-        if mode == "never":
-            return None
-        if mode != "auto":
-            p = Path(mode)
-            if not (p / "trainer_state.json").is_file():
-                raise FileNotFoundError(f"checkpoint.resume = {mode!r} is not a checkpoint folder")
-            return p
-        latest = self.ckpt_root / "latest"
-        if latest.is_file():
-            p = self.ckpt_root / latest.read_text().strip()
-            if (p / "trainer_state.json").is_file():
-                return p
-        done = sorted(p for p in self.ckpt_root.glob("step_*") if (p / "trainer_state.json").is_file())
-        return done[-1] if done else None
+        """The complete checkpoint to resume (:mod:`laconic_nemo.grpo.resume`); never a ``.tmp`` folder."""
+        from laconic_nemo.config import ConfigError
+        from laconic_nemo.preflight import resume_source
+
+        try:
+            return resume_source(self.cfg)
+        except ConfigError as exc:
+            raise FileNotFoundError(str(exc)) from exc
 
     def load_checkpoint(self, path: Path) -> int:
-        state = json.loads((path / "trainer_state.json").read_text())
+        from laconic_nemo.config import base_config_path
+        from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
+
+        state = read_trainer_state(path)
         if state["dp_size"] != self.actor.dp_size or state["world_size"] != self.world:
             raise ValueError(
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
+        allowed = check_resume_config(path, state.get("config", {}), OmegaConf.to_container(self.cfg, resolve=True),
+                                      list(self.cfg.checkpoint.resume_allow_changes or []),
+                                      OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
+        # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
+        strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
         tp = getattr(self.actor, "tp_rank", 0)
         pp = getattr(self.actor, "pp_rank", 0)
         self.actor.load_checkpoint_state(torch.load(path / f"model_tp{tp:02d}_pp{pp:02d}.pt", weights_only=False))
@@ -365,7 +373,7 @@ class GRPOTrainer:
         np.random.set_state(rng["numpy"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        self.shaper.load_state_dict(state["shaper"])
+        self.shaper.load_state_dict(state["shaper"], strict=strict)
         return int(state["step"])
 
     def _barrier(self):
@@ -376,8 +384,14 @@ class GRPOTrainer:
     def _log(self, m: dict[str, Any]):
         if not self.is_logger:
             return
+        line = json.dumps(m) + "\n"
         with (self.out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(m) + "\n")
+            action = armed("metrics_torn", m["step"])
+            if action is not None:  # fault injection: a row cut short by a crash
+                f.write(line[: len(line) // 2])
+                f.flush()
+                fire(action)
+            f.write(line)
         if m["step"] % int(self.cfg.run.log_every) == 0 or m["step"] == self.num_steps:
             print(
                 f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
@@ -397,10 +411,17 @@ class GRPOTrainer:
             f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, upto_step: int):
+        """Keep the rows of the steps the resumed checkpoint holds; drop a torn last row (a crash while it
+        was written); refuse any other corrupt line, naming the file and the line."""
+        from laconic_nemo.grpo.resume import read_metrics
+
         path = self.out / "metrics.jsonl"
         if not self.is_logger or not path.is_file():
             return
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
+        rows, torn = read_metrics(path)
+        if torn:
+            print(f"{path}: dropped a torn last line (the run died while writing it)", flush=True)
+        keep = [json.dumps(r) for r in rows if r["step"] <= upto_step]
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
@@ -420,18 +441,26 @@ class GRPOTrainer:
         self._truncate_metrics(self.step)
         self._install_signal_handlers()
         every = int(self.cfg.checkpoint.every_n_steps)
+        last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
             m = self.train_step(self.step)
             self.step += 1
             stop = self._should_stop()
-            t0 = time.perf_counter()
-            if stop or self.step == self.num_steps or (every and self.step % every == 0):
-                self.save_checkpoint(self.step)
-            m["time/checkpoint"] = time.perf_counter() - t0
+            # The row goes to metrics.jsonl BEFORE the step's checkpoint: a crash in between then costs a
+            # recomputed step (resume truncates the rows past the checkpoint), never a lost row. Hence
+            # time/checkpoint is the checkpoint written after the previous step.
+            m["time/checkpoint"] = last_checkpoint_seconds
             self.history.append(m)
             self._log(m)
             if self.cfg.logging.rank_trace:
                 self._rank_trace(m)
+            t0 = time.perf_counter()
+            if stop or self.step == self.num_steps or (every and self.step % every == 0):
+                self.save_checkpoint(self.step)
+                fault_point("after_checkpoint", self.step)
+                last_checkpoint_seconds = time.perf_counter() - t0
+            else:
+                last_checkpoint_seconds = 0.0
             if stop:
                 if self.is_logger:
                     print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
@@ -443,6 +472,7 @@ class GRPOTrainer:
 
     def _export_hf(self) -> None:
         """``checkpoint.export_hf``: the final checkpoint as a Hugging Face folder ``<output_dir>/hf`` (rank 0)."""
+        heartbeat("export_hf", self.step)
         if self.is_logger:
             from laconic_nemo.export import export_hf
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.trainer import allreduce_sum
@@ -39,6 +40,8 @@ def supervised_warmup(
     pad_id: int,
     log: Callable[[str], None] = print,
     log_every: int = 50,
+    start_step: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[float]:
     """``num_steps`` optimiser steps on fresh examples; ``batch_size`` is global (split over DP).
 
@@ -49,7 +52,11 @@ def supervised_warmup(
     per = batch_size // actor.dp_size
     losses = []
     t0 = time.perf_counter()
-    for step in range(num_steps):
+    for step in range(start_step, num_steps):
+        if should_stop is not None and should_stop():
+            break
+        heartbeat("warmup", step + 1)
+        fault_point("warmup_step", step + 1)
         rng = random.Random(seed * 7919 + step)
         examples = [make_example(rng) for _ in range(batch_size)]
         mine = pack(examples[actor.dp_rank * per : (actor.dp_rank + 1) * per], pad_id)

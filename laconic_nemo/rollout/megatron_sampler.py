@@ -90,6 +90,22 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last_nonzero)
 
 
+def _prompt_buffer(prompts: list[list[int]], sampling: SamplingParams, pad_id: int | None):
+    """Check the inputs; the token buffer [B, P_max + L_max] (prompts from position 0, then ``pad``), the prompt
+    lengths [B] and ``pad`` (``pad_id``, default the EOS id)."""
+    check_sampling(sampling)
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    pad = sampling.eos_id if pad_id is None else pad_id
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    buf = torch.full((len(prompts), int(prompt_lens.max()) + int(sampling.max_new_tokens)), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return buf, prompt_lens, pad
+
+
 @torch.no_grad()
 def sample(
     step: StepFn,
@@ -107,19 +123,8 @@ def sample(
     pad_id: id written after the end of each row (default ``sampling.eos_id``).
     Returns CPU tensors as described in :class:`GenerationOutput`.
     """
-    check_sampling(sampling)
-    if len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must contain at least one token")
-    pad = sampling.eos_id if pad_id is None else pad_id
-    B = len(prompts)
-    L_max = int(sampling.max_new_tokens)
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    P_min, P_max = int(prompt_lens.min()), int(prompt_lens.max())
-    buf = torch.full((B, P_max + L_max), pad, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    buf, prompt_lens, pad = _prompt_buffer(prompts, sampling, pad_id)
+    B, L_max, P_min = len(prompts), int(sampling.max_new_tokens), int(prompt_lens.min())
     gens = [torch.Generator().manual_seed(sample_seed(sampling.seed, stream, i)) for i in range(B)]
 
     generated = torch.zeros(B, dtype=torch.long)  # tokens generated so far (EOS included)
@@ -243,24 +248,12 @@ def sample_on_device(
     ``sync_every - 1`` padding tokens after its end, which changes nothing in its output.
     Returns CPU tensors as described in :class:`GenerationOutput`.
     """
-    check_sampling(sampling)
-    if len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must contain at least one token")
     if sync_every < 1:
         raise ValueError(f"rollout.sync_every must be >= 1, got {sync_every}")
     device = torch.device(device)
-    pad = sampling.eos_id if pad_id is None else pad_id
-    B = len(prompts)
-    L_max = int(sampling.max_new_tokens)
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    P_min, P_max = int(prompt_lens.min()), int(prompt_lens.max())
-    buf = torch.full((B, P_max + L_max), pad, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    buf = buf.to(device)
-    prompt_lens = prompt_lens.to(device)
+    buf, prompt_lens, pad = _prompt_buffer(prompts, sampling, pad_id)
+    B, L_max, P_min = len(prompts), int(sampling.max_new_tokens), int(prompt_lens.min())
+    buf, prompt_lens = buf.to(device), prompt_lens.to(device)
     seeds = torch.tensor([sample_seed(sampling.seed, stream, i) for i in range(B)], dtype=torch.long, device=device)
 
     rows = torch.arange(B, device=device)  # rows still in the batch, in the step's order

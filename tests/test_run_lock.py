@@ -22,14 +22,7 @@ from pathlib import Path
 import pytest
 
 from laconic_nemo.grpo.run_lock import LOCK_NAME, OutputDirLock, OutputDirLocked, check_free, identity, process_alive
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
-FAST = [
-    "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "warmup.num_steps=20",
-    "grpo.num_prompts_per_step=4", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4",
-    "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "logging.plot=false",
-]
+from tests.test_trainer_e2e import FAST, ROOT, TINY  # the e2e tests' tiny, fast variant
 
 
 @pytest.fixture(autouse=True)

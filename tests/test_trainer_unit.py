@@ -82,3 +82,14 @@ def test_count_eos_reaches_the_shaper_and_the_dual_step():
     plain = (2 * lmax + 2 * (lmax - 1) + 3 + 4 + 5 + 6) / 8
     assert means[False] == plain and means[True] == plain + 6 / 8
     assert (hits[False], hits[True]) == (2 / 8, 4 / 8)
+
+
+def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
+    """Two configs whose warm-ups differ (micro-batch order) never share a cached policy; a change that does
+    not touch the warm-up (the budget) does."""
+    from laconic_nemo.grpo.train_cli import _warmup_cache_dir
+
+    base = [f"warmup.cache_dir={tmp_path}"]
+    plain = _warmup_cache_dir(load_config(TINY, base))
+    assert _warmup_cache_dir(load_config(TINY, [*base, "grpo.sort_by_length=true"])) != plain
+    assert _warmup_cache_dir(load_config(TINY, [*base, "laconic.budget=25"])) == plain

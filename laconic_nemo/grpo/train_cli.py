@@ -235,6 +235,8 @@ def _warmup_cache_dir(cfg: DictConfig) -> Path:
     key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
     key["seed"] = int(cfg.run.seed)
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
+    key["sort_by_length"] = bool(cfg.grpo.sort_by_length)
     key["warmup"].pop("cache_dir", None)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"

@@ -217,11 +217,9 @@ def _worker(rank, world, port, q):
 
 @pytest.mark.slow
 def test_ranks_agree_bit_for_bit_after_all_reduce():
-    import socket
+    from laconic_nemo.megatron_env import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]

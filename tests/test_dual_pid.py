@@ -265,13 +265,11 @@ def _rank_worker(rank, world, port, q):
 
 @pytest.mark.slow
 def test_pid_ranks_agree_bit_for_bit_after_all_reduce():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from laconic_nemo.megatron_env import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, q)) for r in range(2)]

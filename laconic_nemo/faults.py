@@ -19,7 +19,8 @@ Points: the phases of a step (``generate``, ``reward``, ``shape_advantage``, ``l
 ``policy_update``, ``dual_step``, ``checkpoint``), ``checkpoint_written`` (this rank's files of the
 checkpoint are in the ``.tmp`` folder, before the rename), ``after_checkpoint`` (the step's
 checkpoint is complete), ``metrics_torn`` (rank 0 writes half of the step's ``metrics.jsonl`` row,
-then the action), ``warmup_step`` (start of a warm-up step). Unset, every call is a dictionary
+then the action), ``warmup_step`` (start of a warm-up step), ``start_up`` (step 0: a rank's start,
+right after its first heartbeat, before the distributed rendezvous). Unset, every call is a dictionary
 lookup and nothing else.
 """
 

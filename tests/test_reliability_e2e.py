@@ -191,3 +191,16 @@ def test_final_rerun_finishes_and_summary_covers_every_step(chain):
     summary = [line for line in run.out.splitlines() if line.startswith("summary:")][-1]
     first = chain["rows6"][0]["mean_response_length"]
     assert f"start_length {first:.4f}" in summary, (summary, first)
+
+
+def test_signal_to_one_rank_before_the_rendezvous_stops_every_rank(tmp_path):
+    """Rank 1 is told to stop before it has joined the rendezvous; rank 0 is not (it was forwarded the
+    signal later, or never). Leaving alone would leave rank 0 waiting for it until the watchdog: both must
+    reach the trainer's collective stop and leave together, status 3, nothing written."""
+    out = tmp_path / "run"
+    run = launch([*BASE, "warmup.num_steps=0", "parallel.watchdog_s=60", f"warmup.cache_dir={tmp_path / 'c'}"],
+                 out, fault="start_up@0:1:term", timeout=150)
+    assert run.rc == 3, run.out[-3000:]
+    assert "[fault point] rank 1" in run.out and "during start-up" in run.out, run.out[-3000:]
+    assert "no rank made progress" not in run.out
+    assert not (out / "metrics.jsonl").exists()

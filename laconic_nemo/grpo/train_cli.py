@@ -76,13 +76,14 @@ def _install_early_stop() -> None:
 
 
 def run(args) -> int:
-    from laconic_nemo.faults import heartbeat
+    from laconic_nemo.faults import fault_point, heartbeat
     from laconic_nemo.preflight import PREFLIGHT_DONE_ENV, preflight_train
 
     launcher = "WORLD_SIZE" not in os.environ
     _install_early_stop()
     if not launcher:
         heartbeat("start-up")  # this rank now turns a forwarded signal into a clean stop
+        fault_point("start_up", 0)
     try:
         _split_nprocs(args)
         cfg = load_config(args.recipe, args.overrides)
@@ -102,7 +103,10 @@ def run(args) -> int:
     except OutputDirLocked as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
-    if _EARLY_SIGNAL:
+    # The launcher (or a lone process) stops here at once. A rank of a multi-rank run must not: the others
+    # would wait for it in the rendezvous or a collective forever. It goes on to the trainer, where every
+    # rank agrees on the stop (GRPOTrainer._should_stop is an all-reduce) and they leave together.
+    if _EARLY_SIGNAL and (launcher or int(os.environ.get("WORLD_SIZE", "1")) == 1):
         print(f"laconic-nemo train: stopped on signal {_EARLY_SIGNAL[0]} during start-up; nothing to save yet",
               file=sys.stderr)
         return 3

@@ -188,10 +188,7 @@ def test_plan_loads_tokenizer_and_renders_first_row(tmp_path, capsys):
 def _deepseek_like_folder(tmp_path, with_weights=True, tokenizer=True, arch="Qwen2ForCausalLM"):
     """A tiny Qwen2 checkpoint whose tokenizer is a byte-level BPE with DeepSeek-R1-Distill's chat tokens,
     shipped as tokenizer.json + tokenizer_config.json only (tests/hf_fixtures.py)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, save_bpe_tokenizer_json_only, save_tiny_qwen2
+    from tests.hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, save_bpe_tokenizer_json_only, save_tiny_qwen2
 
     hf = Path(save_tiny_qwen2(tmp_path / "hf"))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

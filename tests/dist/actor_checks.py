@@ -14,11 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import reference_gpt as R  # the folder of this file: sys.path[0] as a script, tests/conftest.py under pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import reference_gpt as R  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB = 2, 64, 4, 256, 41
 N, T, EOS = 8, 18, 3

@@ -198,8 +198,9 @@ def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: li
     """Check the HF folder of a launch when it exists here (``--hf-model`` for ``model.source: nemo``,
     ``model.path`` for ``hf``): a folder to convert must suit NeMo's Qwen2 converter, the tokenizer must
     load, and for the NeMo sampler every end string must be a single token (built from the tokenizer, or
-    the ``nemo.model.reinforce.sampling_params.end_strings`` override). Returns {"tokenizer", "end_strings"}
-    (None values when no folder is readable); raises LayoutError naming the file or the string."""
+    the ``nemo.model.reinforce.sampling_params.end_strings`` override). Returns {"tokenizer", "end_strings",
+    "loaded"} (the folder, the end strings and the loaded tokenizer object, for :func:`build_step_one` to reuse;
+    None values when no folder is readable); raises LayoutError naming the file or the string."""
     from omegaconf import OmegaConf
 
     from laconic_nemo.nemo_entry import END_STRINGS_KEY, end_strings_override
@@ -214,7 +215,7 @@ def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: li
     m = cfg.model
     folder = hf_model if m.source == "nemo" else (str(m.path) if m.source == "hf" else None)
     if not folder or not Path(folder).is_dir():
-        return {"tokenizer": None, "end_strings": None}
+        return {"tokenizer": None, "end_strings": None, "loaded": None}
     if m.source == "nemo" and not Path(str(m.path)).exists():
         try:
             check_converter_folder(folder)
@@ -236,7 +237,7 @@ def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: li
             ends = resolve_end_strings(hf_text_to_ids(tok), requested)
         except EndStringError as exc:
             raise LayoutError(f"nemo.{END_STRINGS_KEY}: {exc} (tokenizer {folder})") from exc
-    return {"tokenizer": str(folder), "end_strings": ends}
+    return {"tokenizer": str(folder), "end_strings": ends, "loaded": tok}
 
 
 def default_mounts() -> str:
@@ -352,12 +353,13 @@ def run(args) -> int:
         cfg = load_config(args.recipe, recipe_ov)
         plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
                            check_paths=not args.skip_path_checks)
+        tok = None
         if not args.skip_path_checks:
             found = check_model_folder(cfg, args.hf_model, nemo_ov)
-            plan.tokenizer, plan.end_strings = found["tokenizer"], found["end_strings"]
+            plan.tokenizer, plan.end_strings, tok = found["tokenizer"], found["end_strings"], found["loaded"]
         # what the trainer builds before step 1 without a GPU: shaper + lambda controller, advantages, loss,
-        # reward, and (paths permitting) tokenizer and one rendered prompt
-        built = build_step_one(cfg, hf_model=args.hf_model)
+        # reward, and (paths permitting) tokenizer (the one loaded above, if any) and one rendered prompt
+        built = build_step_one(cfg, hf_model=args.hf_model, tokenizer=tok)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"laconic-nemo plan: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 #!/bin/bash
 # ablation budget b1500 on DeepScaleR-1.5B-Preview (see recipes/ablation_budget_b1500.yaml).
 # Submit from the repository root:  sbatch launch/ablation_budget_b1500.sh   (DRY_RUN=1 bash launch/ablation_budget_b1500.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-ablation_budget_b1500
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

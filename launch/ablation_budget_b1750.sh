@@ -1,6 +1,7 @@
 #!/bin/bash
 # ablation budget b1750 on DeepScaleR-1.5B-Preview (see recipes/ablation_budget_b1750.yaml).
 # Submit from the repository root:  sbatch launch/ablation_budget_b1750.sh   (DRY_RUN=1 bash launch/ablation_budget_b1750.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-ablation_budget_b1750
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # ablation eta 0.001 on DeepScaleR-1.5B-Preview (see recipes/ablation_eta_0.001.yaml).
 # Submit from the repository root:  sbatch launch/ablation_eta_0.001.sh   (DRY_RUN=1 bash launch/ablation_eta_0.001.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-ablation_eta_0.001
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # ablation fixed lambda 0.01 on DeepScaleR-1.5B-Preview (see recipes/ablation_fixed_lambda_0.01.yaml).
 # Submit from the repository root:  sbatch launch/ablation_fixed_lambda_0.01.sh   (DRY_RUN=1 bash launch/ablation_fixed_lambda_0.01.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-ablation_fixed_lambda_0.01
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

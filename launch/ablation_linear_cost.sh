@@ -1,6 +1,7 @@
 #!/bin/bash
 # ablation linear cost on DeepScaleR-1.5B-Preview (see recipes/ablation_linear_cost.yaml).
 # Submit from the repository root:  sbatch launch/ablation_linear_cost.sh   (DRY_RUN=1 bash launch/ablation_linear_cost.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-ablation_linear_cost
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

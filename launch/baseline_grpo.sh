@@ -1,6 +1,7 @@
 #!/bin/bash
 # baseline grpo on DeepScaleR-1.5B-Preview (see recipes/baseline_grpo.yaml).
 # Submit from the repository root:  sbatch launch/baseline_grpo.sh   (DRY_RUN=1 bash launch/baseline_grpo.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-baseline_grpo
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

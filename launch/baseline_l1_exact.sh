@@ -1,6 +1,7 @@
 #!/bin/bash
 # baseline l1 exact on DeepScaleR-1.5B-Preview (see recipes/baseline_l1_exact.yaml).
 # Submit from the repository root:  sbatch launch/baseline_l1_exact.sh   (DRY_RUN=1 bash launch/baseline_l1_exact.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-baseline_l1_exact
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # baseline l1 max on DeepScaleR-1.5B-Preview (see recipes/baseline_l1_max.yaml).
 # Submit from the repository root:  sbatch launch/baseline_l1_max.sh   (DRY_RUN=1 bash launch/baseline_l1_max.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-baseline_l1_max
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

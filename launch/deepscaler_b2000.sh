@@ -1,6 +1,7 @@
 #!/bin/bash
 # Paper run: DeepScaleR-1.5B-Preview, B = 2000, 300 steps, the authors' script knobs (DP 16).
 # Submit from the repository root:  sbatch launch/deepscaler_b2000.sh   (DRY_RUN=1 bash launch/deepscaler_b2000.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-deepscaler_b2000
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

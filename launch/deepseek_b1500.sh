@@ -1,6 +1,7 @@
 #!/bin/bash
 # Paper run: DeepSeek-R1-Distill-Qwen-1.5B, B = 1500, 500 steps (NeMo-Aligner actor, DP 16).
 # Submit from the repository root:  sbatch launch/deepseek_b1500.sh   (DRY_RUN=1 bash launch/deepseek_b1500.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-deepseek_b1500
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Paper run: Qwen3-8B, B = 1000, 150 steps (megatron-core actor + HF bridge, TP 4 x PP 2 x DP 4).
 # Submit from the repository root:  sbatch launch/qwen3_8b_b1000.sh   (DRY_RUN=1 bash launch/qwen3_8b_b1000.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-qwen3_8b_b1000
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Paper run (cost ablation): Qwen2.5-Math-1.5B-Instruct, B = 550, 350 steps, clipped cost.
 # Submit from the repository root:  sbatch launch/qwen_math_b550.sh   (DRY_RUN=1 bash launch/qwen_math_b550.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-qwen_math_b550
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Ablation: linear cost on Qwen2.5-Math-1.5B-Instruct, B = 550.
 # Submit from the repository root:  sbatch launch/qwen_math_b550_linear.sh   (DRY_RUN=1 bash launch/qwen_math_b550_linear.sh to preview)
+# Written by launch/wrappers.py from its table: edit the row there, then run python launch/wrappers.py.
 #SBATCH --job-name=laconic-qwen_math_b550_linear
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

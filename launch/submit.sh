@@ -1,5 +1,6 @@
 #!/bin/bash
-# Body shared by the per-recipe sbatch scripts in launch/ (they set RECIPE and source this file).
+# Body shared by the per-recipe sbatch scripts in launch/ (they set RECIPE and source this file; they are
+# written from the table in launch/wrappers.py).
 #
 #   sbatch launch/deepseek_b1500.sh                    # from the repository root (or set REPO_DIR)
 #   DRY_RUN=1 bash launch/deepseek_b1500.sh            # print every command, run nothing

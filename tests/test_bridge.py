@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 
 from bridge_common import BASE, hf_checkpoint_tensors, megatron_logits, tiny_hf_model  # noqa: E402
 

@@ -10,18 +10,15 @@ bridge's TransformerConfig before the wrapper is built.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
 import bridge_dp_checks  # noqa: E402
-from hf_fixtures import save_tiny_qwen2  # noqa: E402
+
+from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
-
 from bridge_common import tiny_hf_model  # noqa: E402
 
 from laconic_nemo.bridge import arch_from_hf_config, hf_shapes, load_hf_state_dict, model_provider  # noqa: E402

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from laconic_nemo.cli import main as cli_main  # noqa: E402
-from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
-
-DIST = Path(__file__).resolve().parent / "dist"
-sys.path.insert(0, str(DIST))
-
 import export_checks  # noqa: E402
 
+from laconic_nemo.cli import main as cli_main  # noqa: E402
 from laconic_nemo.export import ExportError, export_hf  # noqa: E402
+from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
 
 
 def hf_logprobs(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

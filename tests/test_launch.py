@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -280,3 +281,47 @@ def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_
     toolchain = [i for i, line in enumerate(lines) if "apt-get install" in line and "g++" in line and "-dev" in line]
     assert toolchain and toolchain[0] < build
     assert any("import megatron.core" in line and "helpers_cpp" in line for line in lines[build:])
+
+
+def _wrappers_table():
+    """launch/wrappers.py, the table the training wrappers are written from (a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_wrappers", LAUNCH / "wrappers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_wrappers_equal_their_rows_in_the_table(tmp_path):
+    """Every launch/<name>.sh that sources submit.sh is what launch/wrappers.py writes for its row, byte for byte;
+    the check names a wrapper edited by hand and one without a row, and writing the table restores the first."""
+    table = _wrappers_table()
+    assert table.stale() == []
+    assert subprocess.run([sys.executable, str(LAUNCH / "wrappers.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).returncode == 0
+    copy = tmp_path / "launch"
+    shutil.copytree(LAUNCH, copy)
+    edited = copy / "deepseek_b1500.sh"
+    edited.write_text(edited.read_text().replace("#SBATCH --nodes=2", "#SBATCH --nodes=3"))
+    (copy / "my_run.sh").write_text(table.WRAPPERS[0].render())
+    assert table.stale(copy) == ["deepseek_b1500.sh differs from its row in launch/wrappers.py",
+                                 "my_run.sh sources submit.sh but has no row in launch/wrappers.py"]
+    table.write(copy)
+    assert table.stale(copy) == ["my_run.sh sources submit.sh but has no row in launch/wrappers.py"]
+    assert os.access(edited, os.X_OK)
+
+
+def test_every_wrapper_row_fits_its_recipe():
+    """Each row's node count passes `plan` for its recipe on 8 GPUs per node, and a row names an HF checkpoint to
+    convert exactly when the recipe is a .nemo one not produced by an earlier run (ThinkPrune's later stages
+    start from the previous stage's export; model.source hf reads the HF folder itself)."""
+    table = _wrappers_table()
+    assert len({w.name for w in table.WRAPPERS}) == len(table.WRAPPERS)
+    for w in table.WRAPPERS:
+        cfg = load_config(ROOT / w.recipe)
+        plan = plan_layout(cfg, w.nodes, 8, check_paths=False)
+        assert plan.world_size == 8 * w.nodes, w.name
+        converts = cfg.model.source == "nemo" and not str(cfg.model.path).startswith("/results/")
+        assert (w.hf_model is not None) == converts, w.name

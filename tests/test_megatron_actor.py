@@ -8,16 +8,9 @@ so TP=2, PP=2 and DP=2 are each compared with the unsharded single-device comput
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import actor_checks  # tests/dist (on sys.path through tests/conftest.py)
 import pytest
 import torch
-
-DIST = Path(__file__).resolve().parent / "dist"
-sys.path.insert(0, str(DIST))
-
-import actor_checks  # noqa: E402
 
 LAYOUTS = ("tp2", "pp2", "dp2")
 

@@ -291,11 +291,9 @@ def cpu_cuda_shims(monkeypatch):
 
 
 def _nemo_tokenizer(tmp_path, family: str = "deepseek"):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, QWEN25_SPECIALS, save_bpe_tokenizer_json_only
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+    from tests.hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, QWEN25_SPECIALS, save_bpe_tokenizer_json_only
 
     specials, eos = ((DEEPSEEK_R1_DISTILL_SPECIALS, DEEPSEEK_R1_DISTILL_SPECIALS[0]) if family == "deepseek"
                      else (QWEN25_SPECIALS, "<|im_end|>"))
@@ -599,10 +597,8 @@ def test_prepare_converts_a_tokenizer_json_only_folder(tmp_path, monkeypatch):
     import runpy
     import sys
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_fixtures import save_tiny_qwen2
-
     import laconic_nemo.nemo_entry as ne
+    from tests.hf_fixtures import save_tiny_qwen2
 
     hf = Path(save_tiny_qwen2(tmp_path / "hf"))
     assert (hf / "tokenizer.json").is_file() and not (hf / "vocab.json").exists() and not (hf / "merges.txt").exists()

@@ -188,10 +188,7 @@ def test_plan_loads_tokenizer_and_renders_first_row(tmp_path, capsys):
 def _deepseek_like_folder(tmp_path, with_weights=True, tokenizer=True, arch="Qwen2ForCausalLM"):
     """A tiny Qwen2 checkpoint whose tokenizer is a byte-level BPE with DeepSeek-R1-Distill's chat tokens,
     shipped as tokenizer.json + tokenizer_config.json only (tests/hf_fixtures.py)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, save_bpe_tokenizer_json_only, save_tiny_qwen2
+    from tests.hf_fixtures import DEEPSEEK_R1_DISTILL_SPECIALS, save_bpe_tokenizer_json_only, save_tiny_qwen2
 
     hf = Path(save_tiny_qwen2(tmp_path / "hf"))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -215,6 +212,31 @@ def test_plan_loads_the_tokenizer_and_lists_single_token_end_strings(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert out["conversion_needed"] and out["tokenizer"] == str(hf)
     assert out["end_strings"] == ["<|endoftext|>", "<｜end▁of▁sentence｜>"]  # no <|im_end|>: not a token here
+
+
+@pytest.mark.parametrize("skip_path_checks", [False, True])
+def test_plan_loads_the_tokenizer_once(tmp_path, capsys, monkeypatch, skip_path_checks):
+    """The folder checks (end strings) and the step-one build (prompt preview) share one tokenizer: `plan` loads
+    it from the HF folder once, counted at transformers' loader that both go through; with the path checks
+    skipped the build still loads it, once."""
+    import transformers
+
+    hf, ov = _deepseek_like_folder(tmp_path)
+    real = transformers.AutoTokenizer.from_pretrained
+    loads = []
+
+    def counting(path, *args, **kwargs):
+        loads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    skip = ["--skip-path-checks"] if skip_path_checks else []
+    assert main(["plan", DEEPSEEK, "--nodes", "1", "--hf-model", str(hf), "--json", *skip, *ov]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert loads == [str(hf)]
+    assert f" from {hf} (" in out["build"]["tokenizer"]
+    assert out["build"]["prompt_preview"].endswith(" tokens]")
+    assert out["end_strings"] == (None if skip_path_checks else ["<|endoftext|>", "<｜end▁of▁sentence｜>"])
 
 
 def test_plan_refuses_a_multi_token_end_string(tmp_path, capsys):

@@ -75,7 +75,7 @@ def _tokenizer_path(cfg: DictConfig, hf_model: str | None) -> str | None:
     return str(path) if path and Path(str(path)).is_dir() else None
 
 
-def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild:
+def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any = None) -> StepOneBuild:
     """Build, on CPU, what the trainer builds before step 1 and needs no GPU; raise ValueError on failure.
 
     Shaper + lambda controller (and one shaping call, one dual step on a copy), the advantage settings
@@ -83,7 +83,8 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild
     MathReward without starting its workers; synthetic: the task's checker), and, when the paths exist
     here, the tokenizer (HF directory: ``model.path``, or ``hf_model`` for a .nemo recipe) and the prompt
     template applied to the first row of the first data file. Nothing is allocated on a GPU and no
-    process is started.
+    process is started. ``tokenizer``: that folder's tokenizer when the caller has loaded it already
+    (``plan``'s folder checks do), so it is not loaded twice; None loads it here.
     """
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
@@ -131,12 +132,13 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None) -> StepOneBuild
         out.reward = "synthetic"
 
     if cfg.data.kind == "math":
-        _preview(cfg, out, _tokenizer_path(cfg, hf_model))
+        _preview(cfg, out, _tokenizer_path(cfg, hf_model), tokenizer)
     return out
 
 
-def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None) -> None:
-    """Tokenizer and the template applied to the first data row, each only when its path exists here."""
+def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:
+    """Tokenizer and the template applied to the first data row, each only when its path exists here
+    (``tok``: the tokenizer of ``tok_path`` if already loaded)."""
     from laconic_nemo.data.datasets import chat_messages, check_row, read_rows, render
 
     template = str(cfg.data.prompt_template)
@@ -152,9 +154,10 @@ def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None) -> None:
         out.prompt_preview = render(template, str(row["problem"]))
     if tok_path is None:
         return
-    from transformers import AutoTokenizer
+    if tok is None:
+        from laconic_nemo.tokenizer_checks import load_hf_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tok_path)
+        tok = load_hf_tokenizer(tok_path)
     if tok.eos_token_id is None:
         raise ValueError(f"model.path: the tokenizer at {tok_path} has no EOS token")
     out.tokenizer = f"{type(tok).__name__} from {tok_path} ({len(tok)} tokens, eos {tok.eos_token!r})"

@@ -14,11 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import reference_gpt as R  # the folder of this file: sys.path[0] as a script, tests/conftest.py under pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import reference_gpt as R  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB = 2, 64, 4, 256, 41
 N, T, EOS = 8, 18, 3
@@ -215,13 +212,11 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
 
 
 def launch(layout: str, out: str, world: int = 2) -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from laconic_nemo.megatron_env import free_port
+
+    port = free_port()
     mp.spawn(run, args=(world, layout, port, out), nprocs=world, join=True)
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
@@ -57,7 +56,6 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(world, port), nprocs=world, join=True)
+    from laconic_nemo.megatron_env import free_port
+
+    mp.spawn(run, args=(world, free_port()), nprocs=world, join=True)

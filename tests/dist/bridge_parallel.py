@@ -12,17 +12,13 @@ Prints one "OK <part> <family> rank<r> <max abs logit diff>" line per check (and
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from bridge_common import hf_checkpoint_tensors, tiny_hf_model  # this file's folder: sys.path[0] under torchrun
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bridge_common import hf_checkpoint_tensors, tiny_hf_model  # noqa: E402
-
-from laconic_nemo.bridge import arch_from_hf_config, export_hf_state_dict, load_hf_state_dict, model_provider  # noqa: E402
-from laconic_nemo.megatron_env import destroy_distributed, init_distributed  # noqa: E402
+from laconic_nemo.bridge import arch_from_hf_config, export_hf_state_dict, load_hf_state_dict, model_provider
+from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
 FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "llama"]
 ATOL = 2e-5

@@ -65,13 +65,11 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
 
 
 def launch(layout: str, model_dir: str, run_dir: str, world: int = 2) -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from laconic_nemo.megatron_env import free_port
+
+    port = free_port()
     mp.spawn(run, args=(world, layout, port, model_dir, run_dir), nprocs=world, join=True)
 
 

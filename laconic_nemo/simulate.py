@@ -15,11 +15,11 @@ brings it). The batch mean of sampled lengths scatters around the policy's mean 
 (tokens); the dual step sees the measured value.
 
 Fit to a run's ``metrics.jsonl`` (fields ``step``, ``lambda`` = the lambda used at the step,
-``mean_response_length``): least squares of ``L_{t+1} - L_t`` on ``[1, g(lambda_{t-delay}), L_t]`` for each
-delay in 0..max_delay and each scale of a grid (inf included), keeping the pair whose model, driven by the
-run's lambdas from its first length alone, stays closest to the observed lengths; sigma is the rms of the
-observed lengths around that path. The dual step is the project's own
-:class:`~laconic_nemo.core.dual.DualController`.
+``mean_response_length``), in open loop: the model driven by the run's own lambdas from its first length alone
+(the free run) is fitted to the observed lengths by least squares over tau, a, b, the delay (0..3) and the
+scale (a grid, inf included); sigma is the step-to-step scatter of the observed lengths around that path
+(robust to a few sudden jumps). Closing the loop again, with the run's controller, predicts its response. The
+dual step is the project's own :class:`~laconic_nemo.core.dual.DualController`.
 
 Response measures (steps numbered from 1, as in metrics.jsonl): the settling step is the first step from
 which the trailing 3-step moving average of L stays within +-5% of B to the end; the first step with
@@ -42,7 +42,8 @@ import numpy as np
 
 from laconic_nemo.core.dual import DualController
 
-__all__ = ["LengthModel", "fit_length_model", "simulate", "response_metrics", "read_trajectory", "register"]
+__all__ = ["LengthModel", "fit_length_model", "simulate", "predict", "response_metrics", "read_trajectory",
+           "register"]
 
 
 @dataclass
@@ -101,43 +102,65 @@ def read_trajectory(path: str | Path) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def fit_length_model(lam: Sequence[float], length: Sequence[float], max_delay: int = 3,
-                     scales: Sequence[float] = SCALES) -> LengthModel:
-    """Least-squares fit of the model to one trajectory: lam [T] (lambda used at each step), length [T].
+                     scales: Sequence[float] = SCALES, taus: Sequence[float] | None = None) -> LengthModel:
+    """Fit the model to one trajectory in open loop: lam [T] (lambda used at each step), length [T].
 
-    Raises ValueError when lambda does not vary (nothing to identify b from) or the fitted time constant is
-    not positive.
+    The model is driven by the run's own lambdas from its first length alone (the free run), and ``tau``,
+    ``a``, ``b``, the delay and the scale are those whose free run is closest to the observed lengths (least
+    squares): for each delay in 0..max_delay, scale in ``scales`` and tau on a geometric grid (``taus``,
+    default 0.8 .. 80 steps), the free run is linear in (a, b), solved exactly. Fitting the free run rather
+    than the one-step increments keeps the slow, lambda-driven part of the response (the one-step fit is
+    dominated by the noise of consecutive lengths). sigma, the measurement noise, is estimated from the
+    step-to-step part of the residual, robustly: ``1.4826 * MAD(diff(residual)) / sqrt(2)`` (white measurement
+    noise doubles in variance under a difference, a slowly varying model error barely shows there, and the
+    median absolute deviation ignores the few sudden jumps of a run, such as a policy switching to a shorter
+    style within one step).
+
+    Raises ValueError when lambda does not vary (nothing to identify b from) or no setting gives a target
+    that falls with lambda.
     """
     lam, length = np.asarray(lam, dtype=np.float64), np.asarray(length, dtype=np.float64)
     if lam.shape != length.shape or lam.ndim != 1:
         raise ValueError(f"lam and length must be 1-D of the same length, got {lam.shape} and {length.shape}")
     if np.ptp(lam) == 0:
         raise ValueError("lambda is constant in this trajectory: the model's slope b cannot be fitted")
+    tau_grid = np.geomspace(0.8, 80.0, 241) if taus is None else np.asarray(taus, dtype=np.float64)
+    n = len(length)
     best = None
     for d, scale in itertools.product(range(max_delay + 1), scales):
-        t = np.arange(d, len(length) - 1)
-        if len(t) < 4:
+        if n - d < 5:
             break
         glam = _g(lam, scale)
-        X = np.stack([np.ones(len(t)), glam[t - d], length[t]], axis=1)
-        y = length[t + 1] - length[t]
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        if not coef[2] < 0:
-            continue
-        # the delay is chosen on the free-run error (the model driven by the observed lambdas from L_1 alone):
-        # one-step residuals barely tell delays apart when lambda moves smoothly
-        free = _free_run(coef, d, glam, float(length[0]))
-        free_rms = float(np.sqrt(np.mean((free - length) ** 2)))
-        if best is None or free_rms < best[0]:
-            best = (free_rms, d, coef, scale)
+        drive = glam[np.maximum(np.arange(n - 1) - d, 0)]  # [T-1]: g(lambda_{t-d}) moves L_t to L_{t+1}
+        # free run x = l0 * p0 + a * pa - b * pb, one column per tau: [T, K]
+        alpha = 1.0 / tau_grid
+        p0, pa, pb = (np.zeros((n, len(tau_grid))) for _ in range(3))
+        p0[0] = 1.0
+        for t in range(n - 1):
+            p0[t + 1] = (1 - alpha) * p0[t]
+            pa[t + 1] = (1 - alpha) * pa[t] + alpha
+            pb[t + 1] = (1 - alpha) * pb[t] + alpha * drive[t]
+        y = length[:, None] - length[0] * p0
+        # least squares of y on [pa, -pb] for every tau at once (2x2 normal equations)
+        saa, sbb, sab = (pa * pa).sum(0), (pb * pb).sum(0), (pa * pb).sum(0)
+        sya, syb = (y * pa).sum(0), (y * pb).sum(0)
+        det = saa * sbb - sab * sab
+        ok = det > 1e-12 * np.maximum(saa * sbb, 1e-300)
+        a = np.where(ok, (sya * sbb - syb * sab) / np.where(ok, det, 1.0), np.nan)
+        b = np.where(ok, (sya * sab - syb * saa) / np.where(ok, det, 1.0), np.nan)
+        sse = ((y - a * pa + b * pb) ** 2).sum(0)
+        sse = np.where(ok & (b > 0), sse, np.inf)
+        k = int(np.argmin(sse))
+        if np.isfinite(sse[k]) and (best is None or sse[k] < best[0]):
+            best = (float(sse[k]), d, scale, float(tau_grid[k]), float(a[k]), float(b[k]))
     if best is None:
-        raise ValueError("fitted time constant is not positive for every delay: the trajectory does not relax "
-                         "towards a lambda-dependent target")
-    free_rms, d, (c0, c_lam, c_len), scale = best
-    inv_tau = -c_len
-    n = len(length)
-    sigma = free_rms * math.sqrt(n / max(n - 4, 1))  # the measurement noise: observed minus the model's own path
-    return LengthModel(tau=1.0 / inv_tau, a=c0 / inv_tau, b=-c_lam / inv_tau, sigma=sigma, l0=float(length[0]),
-                       delay=d, scale=scale)
+        raise ValueError("no delay, scale and time constant gives a target that falls with lambda: the trajectory "
+                         "does not relax towards a lambda-dependent target")
+    _, d, scale, tau, a, b = best
+    free = _free_run([a / tau, -b / tau, -1.0 / tau], d, _g(lam, scale), float(length[0]))
+    step = np.diff(length - free)
+    sigma = float(1.4826 * np.median(np.abs(step - np.median(step))) / math.sqrt(2.0))
+    return LengthModel(tau=tau, a=a, b=b, sigma=sigma, l0=float(length[0]), delay=d, scale=scale)
 
 
 def _free_run(coef, delay: int, lam: np.ndarray, l0: float) -> np.ndarray:
@@ -185,6 +208,25 @@ def response_metrics(length: Sequence[float], budget: float, window: int = 3, to
     tail = max(T // 10, 1)
     return {"settling_step": settle, "first_at_budget": first, "undershoot": undershoot,
             "final_error": float(np.mean(L[-tail:] / budget - 1.0))}
+
+
+def predict(model: LengthModel, make_dual, steps: int, seeds: int = 40, budget: float | None = None) -> dict:
+    """The model's prediction of a run's response under the controllers ``make_dual()`` builds (a fresh
+    DualController per run): the noise-free run's measures (``settling_step``, ``first_at_budget``,
+    ``undershoot``, ``final_error``, as in :func:`response_metrics`), and over ``seeds`` noisy runs the median
+    of each (``*_median``; a run that never settles counts as settling at infinity, so a median of inf means
+    that most runs do not settle within ``steps``) and ``settled_frac``, the fraction that settle."""
+    budget = make_dual().budget if budget is None else float(budget)
+    out = response_metrics(simulate(model, make_dual(), steps, seed=None)[1], budget)
+    runs = [response_metrics(simulate(model, make_dual(), steps, seed=s)[1], budget) for s in range(seeds)]
+    if runs:
+        settle = [math.inf if r["settling_step"] is None else r["settling_step"] for r in runs]
+        first = [math.inf if r["first_at_budget"] is None else r["first_at_budget"] for r in runs]
+        out.update(settling_step_median=float(np.median(settle)), first_at_budget_median=float(np.median(first)),
+                   undershoot_median=float(np.median([r["undershoot"] for r in runs])),
+                   final_error_median=float(np.median([r["final_error"] for r in runs])),
+                   settled_frac=float(np.mean(np.isfinite(settle))))
+    return out
 
 
 def _grid_row(model, budget, steps, seeds, floor, lambda_init, eta, ceiling, controller, kp, kd) -> dict:

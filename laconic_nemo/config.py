@@ -409,7 +409,7 @@ _MISSING = object()
 _DUAL_KEYS = {"init": "laconic.lambda_init", "max_length": "rollout.max_new_tokens"}
 
 
-def check_layout(cfg: Any, dp: int, tp: int = 1, pp: int = 1) -> None:
+def check_layout(cfg: Any, dp: int) -> None:
     """The batch rules of a layout with ``dp`` data-parallel ranks (``plan``, the trainer and the warm-up).
 
     Every DP rank holds whole groups of G responses, the global rollout batch splits into optimiser minibatches,

@@ -25,6 +25,8 @@ from typing import Any, Iterable, List, Optional
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from laconic_nemo.core.dual import DualSettingError, check_dual
+from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
 
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -229,7 +231,7 @@ cpu (pageable host memory, copies) | auto (device)""")
 
 @dataclass
 class LaconicConfig:
-    shaper: str = opt("laconic", "laconic | linear | fixed | grpo | l1_exact | l1_max | efficient | overlong")
+    shaper: str = opt("laconic", " | ".join(SHAPERS) + " (laconic_nemo/core/shapers.py)")
     budget: float = opt(1500, "B, token budget on the mean response length")
     eta: float = opt(0.002, "dual step size")
     ceiling: Optional[float] = opt(None, "Lambda; null = B / (L_max - B)")
@@ -251,8 +253,6 @@ gets hit_cap even when it ended on EOS (authors' runs); false: paper form""")
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: maximal penalty")
 
     def __post_init__(self):
-        from laconic_nemo.core.shapers import SHAPERS
-
         _one_of("laconic.shaper", self.shaper, tuple(SHAPERS))
         _require(math.isfinite(self.budget) and self.budget > 0, "laconic.budget", "a number > 0 (tokens)",
                  self.budget)
@@ -375,8 +375,6 @@ class Config:
 
     def __post_init__(self):
         """The rules across sections."""
-        from laconic_nemo.core.dual import DualSettingError, check_dual
-
         lc, lmax = self.laconic, self.rollout.max_new_tokens
         if lc.shaper in ("laconic", "linear", "fixed"):
             _require(lmax > lc.budget, "laconic.budget", f"< rollout.max_new_tokens = {lmax} (L_max must exceed B)",

@@ -37,9 +37,18 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key and the allowed values."""
 
 
+class LayoutError(ConfigError):
+    """The recipe does not fit the requested cluster layout; the message names the key."""
+
+
 def _require(cond: bool, key: str, allowed: str, value) -> None:
     if not cond:
         raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
+
+
+def _fits(cond: bool, key: str, value, allowed: str) -> None:
+    if not cond:
+        raise LayoutError(f"{key} = {value!r} does not fit the layout: {allowed}")
 
 
 def _one_of(key: str, value, choices) -> None:
@@ -411,20 +420,20 @@ def check_layout(cfg: Any, dp: int) -> None:
     """The batch rules of a layout with ``dp`` data-parallel ranks (``plan``, the trainer and the warm-up).
 
     Every DP rank holds whole groups of G responses, the global rollout batch splits into optimiser minibatches,
-    each minibatch into DP x micro-batches, and the warm-up batch over DP. Raises ConfigError naming the key."""
+    each minibatch into DP x micro-batches, and the warm-up batch over DP. Raises LayoutError naming the key."""
     g = cfg.grpo
     prompts, G, mini, mbs = int(g.num_prompts_per_step), int(g.group_size), int(g.minibatch_size), int(g.micro_batch_size)
     rollout = prompts * G
-    _require(prompts % dp == 0, "grpo.num_prompts_per_step",
-             f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}", prompts)
-    _require(rollout % mini == 0, "grpo.minibatch_size",
-             f"a divisor of the rollout batch num_prompts_per_step x G = {rollout}", mini)
-    _require(mini % dp == 0, "grpo.minibatch_size", f"divisible by DP = {dp}", mini)
-    _require(mini % (dp * mbs) == 0, "grpo.micro_batch_size",
-             f"DP x micro_batch_size = {dp} x {mbs} dividing grpo.minibatch_size = {mini}", mbs)
+    _fits(prompts % dp == 0, "grpo.num_prompts_per_step", prompts,
+          f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}")
+    _fits(rollout % mini == 0, "grpo.minibatch_size", mini,
+          f"a divisor of the rollout batch num_prompts_per_step x G = {rollout}")
+    _fits(mini % dp == 0, "grpo.minibatch_size", mini, f"divisible by DP = {dp}")
+    _fits(mini % (dp * mbs) == 0, "grpo.micro_batch_size", mbs,
+          f"DP x micro_batch_size = {dp} x {mbs} must divide grpo.minibatch_size = {mini}")
     if int(cfg.warmup.num_steps) > 0:
-        _require(int(cfg.warmup.batch_size) % dp == 0, "warmup.batch_size", f"divisible by DP = {dp}",
-                 int(cfg.warmup.batch_size))
+        _fits(int(cfg.warmup.batch_size) % dp == 0, "warmup.batch_size", int(cfg.warmup.batch_size),
+              f"divisible by DP = {dp}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -27,15 +27,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from laconic_nemo.config import ConfigError, check_layout, load_config
+from laconic_nemo.config import ConfigError, LayoutError, check_layout, load_config
 
 # Defaults shared with launch/submit.sh (environment variables of the same name override both).
 DEFAULT_CONTAINER = "/lustre/containers/laconic-nemo-25.02.sqsh"
 DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
-
-
-class LayoutError(ConfigError):
-    """The recipe does not fit the requested cluster layout; the message names the key."""
 
 
 @dataclass
@@ -112,10 +108,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
               f"world size {world} must be divisible by TP x PP = {tp} x {pp} = {tp * pp}")
     dp = world // (tp * pp)
 
-    try:
-        check_layout(cfg, dp)
-    except ConfigError as exc:
-        raise LayoutError(str(exc)) from None
+    check_layout(cfg, dp)
     g = cfg.grpo
     prompts, G = int(g.num_prompts_per_step), int(g.group_size)
     rollout = prompts * G

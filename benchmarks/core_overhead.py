@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from laconic_nemo.core import get_shaper, group_advantages, list_shapers
+from laconic_nemo.core import SHAPERS, DualController, Shaper, group_advantages, next_lambda
 
 
 def make_batch(prompts: int, group_size: int, max_length: int, seed: int = 0):
@@ -28,14 +28,15 @@ def make_batch(prompts: int, group_size: int, max_length: int, seed: int = 0):
     return rewards, lengths, truncated, targets
 
 
-def time_step(shaper, batch, group_size: int, repeats: int, warmup: int = 50) -> list[float]:
+def time_step(shaper, dual, batch, group_size: int, repeats: int, warmup: int = 50) -> list[float]:
     rewards, lengths, truncated, targets = batch
     samples = []
+    lam = 0.01
     for i in range(warmup + repeats):
         t0 = time.perf_counter_ns()
-        shaped, metrics = shaper(rewards, lengths, truncated, group_size, targets=targets)
+        shaped, metrics = shaper(rewards, lengths, truncated, group_size, lam, targets=targets)
         adv = group_advantages(shaped, group_size)
-        shaper.dual_update(metrics["mean_length"])
+        lam = next_lambda(dual, lam, metrics["mean_length"])
         t1 = time.perf_counter_ns()
         if i >= warmup:
             samples.append((t1 - t0) / 1e3)
@@ -59,13 +60,19 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batch = make_batch(args.prompts, args.group_size, args.max_length)
-    cfg = dict(budget=args.budget, max_length=args.max_length, eta=0.002, lambda_init=0.01)
     results = {}
+
+    def run(name):
+        dual = DualController(args.budget, 0.002, max_length=args.max_length, init=0.01) \
+            if SHAPERS[name].lam == "dual" else None
+        return time_step(Shaper(name, budget=args.budget, max_length=args.max_length), dual, batch, args.group_size,
+                         args.repeats)
+
     # baseline first and last, so drift over the run shows up
-    order = ["grpo"] + [n for n in list_shapers() if n != "grpo"]
+    order = ["grpo"] + [n for n in SHAPERS if n != "grpo"]
     for name in order:
-        results[name] = time_step(get_shaper(name, **cfg), batch, args.group_size, args.repeats)
-    base_again = time_step(get_shaper("grpo", **cfg), batch, args.group_size, args.repeats)
+        results[name] = run(name)
+    base_again = run("grpo")
     base_med = statistics.median(results["grpo"])
     n = args.prompts * args.group_size
     print(f"core overhead per step, {args.prompts} prompts x G={args.group_size} = {n} responses, "

@@ -27,15 +27,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.config import ConfigError, LayoutError, check_layout, load_config
 
 # Defaults shared with launch/submit.sh (environment variables of the same name override both).
 DEFAULT_CONTAINER = "/lustre/containers/laconic-nemo-25.02.sqsh"
 DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
-
-
-class LayoutError(ConfigError):
-    """The recipe does not fit the requested cluster layout; the message names the key."""
 
 
 @dataclass
@@ -112,20 +108,11 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
               f"world size {world} must be divisible by TP x PP = {tp} x {pp} = {tp * pp}")
     dp = world // (tp * pp)
 
+    check_layout(cfg, dp)
     g = cfg.grpo
     prompts, G = int(g.num_prompts_per_step), int(g.group_size)
     rollout = prompts * G
     mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
-    if prompts % dp:
-        _fail("grpo.num_prompts_per_step", prompts,
-              f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}")
-    if rollout % mini:
-        _fail("grpo.minibatch_size", mini, f"a divisor of the rollout batch num_prompts_per_step x G = {rollout}")
-    if mini % dp:
-        _fail("grpo.minibatch_size", mini, f"divisible by DP = {dp}")
-    if mini % (dp * mbs):
-        _fail("grpo.micro_batch_size", mbs,
-              f"DP x micro_batch_size = {dp} x {mbs} must divide grpo.minibatch_size = {mini}")
 
     m = cfg.model
     hf = _hf_config(hf_model if m.source == "nemo" else m.path)

@@ -225,6 +225,7 @@ def nemo_resume_path(cfg: DictConfig) -> str | None:
 
 
 def _nemo_trainer_class():
+    from laconic_nemo.core import shaper_state
     from laconic_nemo.grpo.trainer import GRPOTrainer
 
     class NemoGRPOTrainer(GRPOTrainer):
@@ -233,7 +234,8 @@ def _nemo_trainer_class():
 
         def save_checkpoint(self, step: int):
             folder = self.ckpt_root / "nemo" / f"step_{step:06d}"
-            self.actor.save_sharded_checkpoint(folder, {"step": step, "shaper": self.shaper.state_dict()})
+            self.actor.save_sharded_checkpoint(folder, {"step": step,
+                                                        "shaper": shaper_state(self.shaper.name, self.dual)})
             return super().save_checkpoint(step)
 
         def _prune_checkpoints(self):

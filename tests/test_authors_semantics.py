@@ -20,7 +20,7 @@ import torch
 
 from laconic_nemo.config import load_config
 from laconic_nemo.core import cost_lengths, group_advantages
-from laconic_nemo.grpo.build import advantage_settings, build_shaper
+from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_fifty_dual_steps_match_the_authors_semantics(name):
     assert lc.count_eos and cfg.grpo.advantage_std == "unbiased" and lc.lambda_init == 0.0
     B, eta, floor, ceil = float(lc.budget), float(lc.eta), float(lc.floor), float(lc.ceiling)
     cap, hit = float(lc.penalty_cap), float(lc.hit_cap)
-    shaper = build_shaper(cfg)
+    shaper, dual = build_shaper(cfg), build_dual(cfg)
     rng = random.Random(name)
     lam_ref = 0.0
     prompts = 16
@@ -88,15 +88,15 @@ def test_fifty_dual_steps_match_the_authors_semantics(name):
             rewards.append(rng.choice([0.0, 0.1, 0.9, 1.0]))
         L, flags = cost_lengths(torch.tensor(gen_len), torch.tensor(trunc), count_eos=True)
         assert L.tolist() == mask_len and flags is None
-        lam_used = shaper.lam
+        lam_used = dual.value
         assert lam_used == lam_ref
-        shaped, _ = shaper.shape(torch.tensor(rewards, dtype=torch.float64), L, flags, G)
+        shaped, _ = shaper(torch.tensor(rewards, dtype=torch.float64), L, flags, G, lam_used)
         ref = _authors_scores(lam_ref, rewards, mask_len, B, lmax, cap, hit)
         assert shaped.tolist() == pytest.approx(ref, abs=1e-12)
         adv = group_advantages(shaped, G, **advantage_settings(cfg))
         assert adv.tolist() == pytest.approx(_easyr1_grpo(ref, G), rel=1e-9, abs=1e-9)
         mean_L = float(int(L.sum())) / float(L.numel())          # the trainer's exact global mean
-        lam_new = shaper.dual_update(mean_L)
+        lam_new = dual.update(mean_L)
         lam_ref = _authors_dual(lam_ref, mask_len, B, eta, floor, ceil)
         assert lam_new == pytest.approx(lam_ref, rel=1e-12, abs=1e-15)
         assert floor <= lam_new <= ceil
@@ -112,7 +112,7 @@ def test_first_step_unclipped_then_floor():
     """deepscaler_1.5b_b2000: lambda_init 0 < floor 1e-5 prices step 1 (only hit penalties), then a dual step
     under budget lands exactly on the floor, as the authors' clip(lambda + dual_lr (ratio - 1), floor, ceil)."""
     cfg = load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml")
-    shaper = build_shaper(cfg)
-    shaped, _ = shaper.shape(torch.tensor([1.0, 1.0, 0.0, 0.9]), torch.tensor([3000, 4096, 100, 2500]), None, 4)
+    shaper, dual = build_shaper(cfg), build_dual(cfg)
+    shaped, _ = shaper(torch.tensor([1.0, 1.0, 0.0, 0.9]), torch.tensor([3000, 4096, 100, 2500]), None, 4, dual.value)
     assert shaped.tolist() == pytest.approx([1.0, 0.9, 0.0, 0.9], abs=1e-7)
-    assert shaper.dual_update(1000.0) == 1e-5
+    assert dual.update(1000.0) == 1e-5

@@ -64,3 +64,45 @@ def test_export_hf_needs_a_hugging_face_model():
         load_config(RECIPES / "tiny_cpu.yaml", ["checkpoint.export_hf=true"])
     cfg = load_config(RECIPES / "tiny_cpu.yaml", ["checkpoint.export_hf=true", "model.source=hf", "model.path=/m"])
     assert cfg.checkpoint.export_hf is True
+
+
+def test_base_yaml_is_generated_from_the_schema():
+    """recipes/base.yaml (what users read) is the rendering of the dataclasses: defaults are written once."""
+    from omegaconf import OmegaConf
+
+    from laconic_nemo.config import Config, render_base_yaml
+
+    assert (RECIPES / "base.yaml").read_text() == render_base_yaml(), "run: python -m laconic_nemo.config > " \
+                                                                      "recipes/base.yaml"
+    assert OmegaConf.to_container(OmegaConf.load(RECIPES / "base.yaml")) == \
+        OmegaConf.to_container(OmegaConf.structured(Config))
+
+
+def test_values_are_typed_and_unknown_keys_are_named():
+    from omegaconf import OmegaConf
+
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", ["laconic.ceiling=1", "rollout.top_p=1"])
+    assert isinstance(cfg.laconic.budget, float) and cfg.laconic.budget == 31.0  # a number key holds a float
+    assert isinstance(cfg.laconic.ceiling, float) and isinstance(cfg.rollout.top_p, float)
+    assert isinstance(cfg.grpo.group_size, int)
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.vllm\.colocte'"):
+        load_config(RECIPES / "tiny_cpu.yaml", ["rollout.vllm.colocte=true"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'logging\.plt'"):
+        load_config(RECIPES / "tiny_cpu.yaml", ["logging.plt=false"])
+    with pytest.raises(Exception, match="colocte"):  # the typed config refuses new keys after loading too
+        OmegaConf.update(cfg, "rollout.vllm.colocte", True, merge=True)
+
+
+@pytest.mark.parametrize("overrides,dp,key", [
+    (["grpo.num_prompts_per_step=15", "grpo.minibatch_size=120"], 2, "grpo.num_prompts_per_step"),
+    (["grpo.minibatch_size=8"], 16, "grpo.minibatch_size"),
+    (["grpo.micro_batch_size=48"], 2, "grpo.micro_batch_size"),
+    (["warmup.batch_size=63"], 2, "warmup.batch_size"),
+])
+def test_check_layout_names_the_key(overrides, dp, key):
+    from laconic_nemo.config import check_layout
+
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_layout(cfg, dp)
+    check_layout(load_config(RECIPES / "tiny_cpu.yaml"), 2)

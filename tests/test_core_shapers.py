@@ -1,4 +1,5 @@
-"""Reward shapers against independent pure-Python float64 references, their dual interface and config errors."""
+"""Reward shapers against independent pure-Python float64 references, the trainer's lambda for each shaper (the
+controller, a constant) and its checkpoint state, and the config errors of the `laconic:` section."""
 
 import math
 import random
@@ -6,19 +7,30 @@ import random
 import pytest
 import torch
 
+from laconic_nemo.config import build_config
 from laconic_nemo.core import (
-    CONFIG_KEYS,
-    get_shaper,
+    SHAPERS,
+    DualController,
+    Shaper,
     group_advantages,
-    list_shapers,
-    shaper_from_config,
+    load_shaper_state,
+    next_lambda,
+    shaper_state,
 )
+from laconic_nemo.grpo.build import build_dual, build_shaper, constant_lambda
 
 LMAX = 4096
 BASE_CFG = {  # recipes/base.yaml `laconic:` defaults
     "shaper": "laconic", "budget": 1500, "eta": 0.002, "ceiling": None, "lambda_init": 0.0, "floor": 0.0,
     "penalty_cap": None, "hit_cap": 0.0, "alpha": None, "overlong_buffer": 512, "overlong_penalty": 1.0,
 }
+
+
+def shaper_from_config(laconic, max_length=LMAX, **data):
+    """The recipe's shaper and lambda controller, as the trainer builds them from a `laconic:` section (checked
+    at the config boundary)."""
+    cfg = build_config({"laconic": dict(laconic), "rollout": {"max_new_tokens": max_length}, "data": data})
+    return cfg, build_dual(cfg)
 
 
 def _batch(seed, P=6, G=8, lmax=LMAX, graded=False):
@@ -80,31 +92,30 @@ def ref_overlong(r, L, lmax, buf, pen):
 
 # ---------------------------------------------------------------- hand-worked values
 def test_laconic_hand_values():
-    s = get_shaper("laconic", budget=1000, eta=0.1, ceiling=0.5, lambda_init=0.2, max_length=4000)
+    s = Shaper("laconic", budget=1000, max_length=4000)
     r = torch.tensor([1.0, 1.0, 0.0, 1.0])
     L = torch.tensor([500, 1500, 3000, 4000])
     trunc = torch.tensor([False, False, False, True])
-    shaped, m = s(r, L, trunc, group_size=2)
+    shaped, m = s(r, L, trunc, group_size=2, lam=0.2)
     # costs 0, 0.5, 2, 3 ; penalties 0, 0.1, 0.4, 0.6
     assert shaped.tolist() == pytest.approx([1.0, 0.9, -0.4, 0.4], abs=1e-6)
     assert m["mean_length"] == 2250.0 and m["frac_over_budget"] == 0.75 and m["frac_truncated"] == 0.25
     assert m["mean_cost"] == pytest.approx(5.5 / 4) and m["lambda"] == 0.2
     assert m["task_reward_mean"] == 0.75 and m["shaped_reward_mean"] == pytest.approx(1.9 / 4)
     # authors' knobs: penalty capped at 0.3, truncated responses pay 0.1 more
-    s2 = get_shaper("laconic", budget=1000, eta=0.1, ceiling=0.5, lambda_init=0.2, max_length=4000,
-                    penalty_cap=0.3, hit_cap=0.1)
-    shaped2, m2 = s2(r, L, trunc, group_size=2)
+    s2 = Shaper("laconic", budget=1000, max_length=4000, penalty_cap=0.3, hit_cap=0.1)
+    shaped2, m2 = s2(r, L, trunc, group_size=2, lam=0.2)
     assert shaped2.tolist() == pytest.approx([1.0, 0.9, -0.3, 0.6], abs=1e-6)
     assert m2["frac_penalty_capped"] == 0.5
 
 
 def test_efficient_hand_values():
-    s = get_shaper("efficient", alpha=0.1)
+    s = Shaper("efficient", alpha=0.1)
     # group 1: correct lengths 100, 300 -> mean 200, std 100 -> z = -1, +1 ; incorrect -> 0
     # group 2: single correct -> z = 0 -> 1 - 0.05 ; group 3: none correct -> all 0
     r = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     L = torch.tensor([100, 300, 50, 10, 999, 20, 1, 2, 3])
-    shaped, m = s(r, L, None, group_size=3)
+    shaped, m = s(r, L, None, group_size=3, lam=0.0)
     sig = 1 / (1 + math.exp(-1))
     expected = [1 - 0.1 * (1 - sig), 1 - 0.1 * sig, 0.0, 0.0, 0.95, 0.0, 0.0, 0.0, 0.0]
     assert shaped.tolist() == pytest.approx(expected, abs=1e-6)
@@ -115,16 +126,16 @@ def test_l1_and_overlong_hand_values():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0])
     L = torch.tensor([1000, 3000, 1000, 4096])
     n_gold = torch.tensor([2000, 2000, 2000, 4096])
-    e, _ = get_shaper("l1_exact")(r, L, None, 2, targets=n_gold)
+    e, _ = Shaper("l1_exact")(r, L, None, 2, 0.0, targets=n_gold)
     assert e.tolist() == pytest.approx([1 - 0.3, 1 - 0.3, -0.3, 1.0], abs=1e-6)
-    mx, m = get_shaper("l1_max")(r, L, None, 2, targets=n_gold)
+    mx, m = Shaper("l1_max")(r, L, None, 2, 0.0, targets=n_gold)
     assert mx.tolist() == pytest.approx([0.8, 0.2, 0.0, 0.5], abs=1e-6)
     assert m["frac_over_target"] == 0.25
-    o, m = get_shaper("overlong", max_length=4096, overlong_buffer=1024)(r, L, None, 2)
+    o, m = Shaper("overlong", max_length=4096, overlong_buffer=1024)(r, L, None, 2, 0.0)
     # 3000 is 0 tokens into the buffer [3072, 4096]: no penalty; 4096 is at its end: -1
     assert o.tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-6)
-    o2, _ = get_shaper("overlong", max_length=4096, overlong_buffer=1024, overlong_penalty=0.5)(
-        r, torch.tensor([3584, 3072, 4000, 4096]), None, 2)
+    o2, _ = Shaper("overlong", max_length=4096, overlong_buffer=1024, overlong_penalty=0.5)(
+        r, torch.tensor([3584, 3072, 4000, 4096]), None, 2, 0.0)
     assert o2.tolist() == pytest.approx([0.75, 1.0, -0.5 * 928 / 1024, 0.5], abs=1e-6)
 
 
@@ -140,22 +151,22 @@ def test_all_shapers_match_references(seed):
     cap = rng.choice([None, 0.4])
     hit = rng.choice([0.0, 0.1])
     r32 = rt.tolist()  # the float32 rewards the shaper sees
-    cases = {
-        "laconic": (dict(budget=B, lambda_init=lam, penalty_cap=cap, hit_cap=hit),
+    cases = {  # settings, lambda, reference
+        "laconic": (dict(budget=B, penalty_cap=cap, hit_cap=hit), lam,
                     ref_lagrangian(r32, L, tr, B, lam, penalty_cap=cap, hit_cap=hit)),
-        "linear": (dict(budget=B, lambda_init=lam, penalty_cap=cap, hit_cap=hit),
+        "linear": (dict(budget=B, penalty_cap=cap, hit_cap=hit), lam,
                    ref_lagrangian(r32, L, tr, B, lam, linear=True, penalty_cap=cap, hit_cap=hit)),
-        "fixed": (dict(budget=B, lambda_init=0.05), ref_lagrangian(r32, L, tr, B, 0.05)),
-        "grpo": (dict(budget=B), r32),
-        "l1_exact": (dict(alpha=0.0005), ref_l1_exact(r32, L, tg, 0.0005)),
-        "l1_max": (dict(alpha=None), ref_l1_max(r32, L, tg, 0.0003)),
-        "efficient": (dict(alpha=0.2), ref_efficient(r32, L, 8, 0.2)),
-        "overlong": (dict(overlong_buffer=512, overlong_penalty=1.0), ref_overlong(r32, L, LMAX, 512, 1.0)),
+        "fixed": (dict(budget=B), 0.05, ref_lagrangian(r32, L, tr, B, 0.05)),
+        "grpo": (dict(budget=B), 0.0, r32),
+        "l1_exact": (dict(alpha=0.0005), 0.0, ref_l1_exact(r32, L, tg, 0.0005)),
+        "l1_max": (dict(alpha=None), 0.0, ref_l1_max(r32, L, tg, 0.0003)),
+        "efficient": (dict(alpha=0.2), 0.0, ref_efficient(r32, L, 8, 0.2)),
+        "overlong": (dict(overlong_buffer=512, overlong_penalty=1.0), 0.0, ref_overlong(r32, L, LMAX, 512, 1.0)),
     }
-    assert sorted(cases) == sorted(list_shapers())
-    for name, (cfg, ref) in cases.items():
-        s = get_shaper(name, max_length=LMAX, **cfg)
-        shaped, m = s(rt, Lt, trt, group_size=8, targets=tgt)
+    assert sorted(cases) == sorted(SHAPERS)
+    for name, (cfg, lam_s, ref) in cases.items():
+        s = Shaper(name, max_length=LMAX, **cfg)
+        shaped, m = s(rt, Lt, trt, group_size=8, lam=lam_s, targets=tgt)
         assert shaped.dtype == torch.float32 and shaped.shape == rt.shape
         assert shaped.tolist() == pytest.approx(ref, rel=1e-6, abs=1e-6), name
         for key in ("mean_length", "frac_over_budget", "mean_cost", "lambda", "task_reward_mean",
@@ -172,10 +183,10 @@ def test_all_shapers_match_references(seed):
 def test_lambda_zero_laconic_equals_grpo():
     for seed in range(5):
         rt, Lt, trt, _ = _t(*_batch(seed, graded=seed % 2 == 0))
-        lac = get_shaper("laconic", budget=1000, max_length=LMAX, lambda_init=0.0, penalty_cap=0.4)
-        grpo = get_shaper("grpo", budget=1000, max_length=LMAX)
-        a, _ = lac(rt, Lt, trt, 8)
-        b, _ = grpo(rt, Lt, trt, 8)
+        lac = Shaper("laconic", budget=1000, max_length=LMAX, penalty_cap=0.4)
+        grpo = Shaper("grpo", budget=1000, max_length=LMAX)
+        a, _ = lac(rt, Lt, trt, 8, 0.0)
+        b, _ = grpo(rt, Lt, trt, 8, 0.0)
         assert torch.equal(a, b)
         assert torch.equal(group_advantages(a, 8), group_advantages(b, 8))
 
@@ -183,73 +194,74 @@ def test_lambda_zero_laconic_equals_grpo():
 def test_laconic_reward_ordering_at_ceiling():
     """With lambda <= Lambda = B / (L_max - B), every correct response outranks every incorrect in-budget one."""
     B = 1500
-    s = get_shaper("laconic", budget=B, max_length=LMAX, eta=10.0)
-    assert s.dual.ceiling == B / (LMAX - B)
-    s.dual_update(10 * LMAX)  # one huge step, clipped at the ceiling
-    assert s.lam == s.dual.ceiling
+    dual = DualController(B, 10.0, max_length=LMAX)
+    assert dual.ceiling == B / (LMAX - B)
+    dual.update(10 * LMAX)  # one huge step, clipped at the ceiling
+    assert dual.value == dual.ceiling
     r = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
     L = torch.tensor([LMAX - 1, 2000, 0, B])
-    shaped, _ = s(r, L, None, 4)
+    shaped, _ = Shaper("laconic", budget=B, max_length=LMAX)(r, L, None, 4, dual.value)
     assert min(shaped[:2]) > max(shaped[2:])
 
 
-# ---------------------------------------------------------------- dual interface
+# ---------------------------------------------------------------- lambda: the controller or a constant
 def test_adaptive_dual_update_and_state():
-    s = shaper_from_config({**BASE_CFG, "eta": 0.01, "floor": 1e-5, "lambda_init": 1e-5}, max_length=LMAX)
-    assert s.adaptive and s.lam == 1e-5
-    lam = s.dual_update(3000)
-    assert lam == pytest.approx(1e-5 + 0.01 * (3000 / 1500 - 1)) and s.lam == lam
-    _, m = s(torch.ones(4), torch.tensor([100, 200, 300, 4000]), None, 4)
+    cfg, s = shaper_from_config({**BASE_CFG, "eta": 0.01, "floor": 1e-5, "lambda_init": 1e-5})
+    assert SHAPERS["laconic"].lam == "dual" and s.value == 1e-5
+    lam = next_lambda(s, s.value, 3000)
+    assert lam == pytest.approx(1e-5 + 0.01 * (3000 / 1500 - 1)) and s.value == lam
+    _, m = build_shaper(cfg)(torch.ones(4), torch.tensor([100, 200, 300, 4000]), None, 4, s.value)
     assert m["lambda"] == lam
-    sd = s.state_dict()
-    t = shaper_from_config({**BASE_CFG, "eta": 0.01, "floor": 1e-5, "lambda_init": 1e-5}, max_length=LMAX)
-    t.load_state_dict(sd)
-    assert t.lam.hex() == s.lam.hex()
+    sd = shaper_state("laconic", s)
+    _, t = shaper_from_config({**BASE_CFG, "eta": 0.01, "floor": 1e-5, "lambda_init": 1e-5})
+    load_shaper_state("laconic", t, sd)
+    assert t.value.hex() == s.value.hex()
     with pytest.raises(ValueError, match="shaper"):
-        get_shaper("linear", budget=1500, max_length=LMAX).load_state_dict(sd)
+        load_shaper_state("linear", shaper_from_config({**BASE_CFG, "shaper": "linear"})[1], sd)
     with pytest.raises(ValueError, match="eta"):
-        shaper_from_config({**BASE_CFG, "floor": 1e-5, "lambda_init": 1e-5}, max_length=LMAX).load_state_dict(sd)
+        load_shaper_state("laconic", shaper_from_config({**BASE_CFG, "floor": 1e-5, "lambda_init": 1e-5})[1], sd)
 
 
 @pytest.mark.parametrize("name", ["fixed", "grpo", "l1_exact", "l1_max", "efficient", "overlong"])
 def test_non_adaptive_dual_interface_is_noop(name):
-    s = get_shaper(name, budget=1000, max_length=LMAX, lambda_init=0.01)
-    lam0 = s.lam
-    assert not s.adaptive
-    assert s.dual_update(3000.0) == lam0 and s.lam == lam0
-    sd = s.state_dict()
-    s.load_state_dict(sd)
-    assert s.lam == lam0
+    cfg, dual = shaper_from_config({**BASE_CFG, "shaper": name, "budget": 1000, "lambda_init": 0.01})
+    lam0 = constant_lambda(cfg)
+    assert lam0 == (0.01 if name == "fixed" else 0.0)
+    assert dual is None and SHAPERS[name].lam != "dual"
+    assert next_lambda(dual, lam0, 3000.0) == lam0
+    sd = shaper_state(name, dual)
+    load_shaper_state(name, dual, sd)
+    assert constant_lambda(cfg) == lam0
     with pytest.raises(ValueError, match="global_mean_length"):
-        s.dual_update(math.nan)
+        next_lambda(dual, lam0, math.nan)
 
 
 def test_linear_shaper_rewards_shortness_below_budget():
-    s = get_shaper("linear", budget=1000, max_length=LMAX, lambda_init=0.1)
-    shaped, m = s(torch.ones(3), torch.tensor([0, 500, 1000]), None, 3)
+    s = Shaper("linear", budget=1000, max_length=LMAX)
+    shaped, m = s(torch.ones(3), torch.tensor([0, 500, 1000]), None, 3, 0.1)
     assert shaped.tolist() == pytest.approx([1.1, 1.05, 1.0])
     assert m["mean_cost"] == pytest.approx(-0.5)
 
 
 def test_truncated_default_from_max_length():
-    s = get_shaper("laconic", budget=1000, max_length=2000, hit_cap=0.5, lambda_init=0.0)
-    shaped, m = s(torch.ones(2), torch.tensor([1999, 2000]), None, 2)
+    s = Shaper("laconic", budget=1000, max_length=2000, hit_cap=0.5)
+    shaped, m = s(torch.ones(2), torch.tensor([1999, 2000]), None, 2, 0.0)
     assert shaped.tolist() == [1.0, 0.5] and m["frac_truncated"] == 0.5
 
 
 # ---------------------------------------------------------------- errors
 def test_bad_inputs():
-    s = get_shaper("laconic", budget=1000, max_length=2000)
+    s = Shaper("laconic", budget=1000, max_length=2000)
     with pytest.raises(ValueError, match="divisible by group_size"):
-        s(torch.ones(5), torch.ones(5), None, 2)
+        s(torch.ones(5), torch.ones(5), None, 2, 0.0)
     with pytest.raises(ValueError, match="lengths"):
-        s(torch.ones(4), torch.ones(3), None, 2)
+        s(torch.ones(4), torch.ones(3), None, 2, 0.0)
     with pytest.raises(ValueError, match="max_length"):
-        s(torch.ones(2), torch.tensor([10, 2001]), None, 2)
+        s(torch.ones(2), torch.tensor([10, 2001]), None, 2, 0.0)
     with pytest.raises(ValueError, match="truncated"):
-        s(torch.ones(2), torch.tensor([10, 20]), torch.tensor([0, 1]), 2)
+        s(torch.ones(2), torch.tensor([10, 20]), torch.tensor([0, 1]), 2, 0.0)
     with pytest.raises(ValueError, match="targets"):
-        get_shaper("l1_exact")(torch.ones(2), torch.tensor([10, 20]), None, 2)
+        Shaper("l1_exact")(torch.ones(2), torch.tensor([10, 20]), None, 2, 0.0)
 
 
 @pytest.mark.parametrize("override,key", [
@@ -265,7 +277,7 @@ def test_bad_inputs():
     ({"lambda_init": -1e-6}, "lambda_init"),
     ({"penalty_cap": 0.0}, "penalty_cap"),
     ({"hit_cap": -0.1}, "hit_cap"),
-    ({"budget": 5000}, "max_length"),  # default ceiling needs L_max > B
+    ({"budget": 5000}, "max_new_tokens"),  # default ceiling needs L_max = rollout.max_new_tokens > B
     ({"bogus_key": 1}, "bogus_key"),
     ({"shaper": "l1_exact", "alpha": -1.0}, "alpha"),
     ({"shaper": "efficient", "alpha": 0}, "alpha"),
@@ -276,7 +288,7 @@ def test_bad_inputs():
 ])
 def test_bad_config_names_key(override, key):
     with pytest.raises(ValueError) as info:
-        shaper_from_config({**BASE_CFG, **override}, max_length=LMAX)
+        shaper_from_config({**BASE_CFG, **override})
     assert key in str(info.value)
 
 
@@ -285,12 +297,15 @@ def test_config_keys_match_base_yaml():
 
     import yaml
 
+    from laconic_nemo.config import LaconicConfig
+
     base = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "base.yaml").read_text())["laconic"]
-    assert set(base) <= set(CONFIG_KEYS)
-    for name in list_shapers():  # the base section builds every method
-        s = shaper_from_config({**base, "shaper": name}, max_length=base_max_length())
-        assert s.name == name
-    assert base["shaper"] in list_shapers()
+    assert set(base) == set(LaconicConfig.__dataclass_fields__)
+    for name in SHAPERS:  # the base section builds every method
+        cfg, _ = shaper_from_config({**base, "shaper": name}, max_length=base_max_length(),
+                                    target_length_range=[1, 2])
+        assert build_shaper(cfg).name == name
+    assert base["shaper"] in SHAPERS
 
 
 def base_max_length():
@@ -307,17 +322,18 @@ def test_omegaconf_section_and_authors_settings():
 
     cfg = OmegaConf.create({"laconic": {**BASE_CFG, "budget": 2000, "eta": 0.002, "floor": 1e-5,
                                         "lambda_init": 1e-5, "ceiling": 0.1, "penalty_cap": 0.4, "hit_cap": 0.1}})
-    s = shaper_from_config(cfg.laconic, max_length=4096)
-    assert s.dual.ceiling == 0.1 and s.dual.floor == 1e-5 and s.penalty_cap == 0.4 and s.hit_cap == 0.1
+    c, dual = shaper_from_config(cfg.laconic, max_length=4096)
+    s = build_shaper(c)
+    assert dual.ceiling == 0.1 and dual.floor == 1e-5 and s.penalty_cap == 0.4 and s.hit_cap == 0.1
 
 
 def test_lambda_init_below_floor_accepted_first_step_unpenalised():
     """laconic.lambda_init = 0 with laconic.floor = 1e-5 (the authors' DeepScaleR script) builds; the first step
     is shaped with lambda = 0 (no length penalty, only the hit penalty), the first dual step clips to the floor."""
-    s = shaper_from_config({**BASE_CFG, "floor": 1e-5, "lambda_init": 0.0, "ceiling": 0.1, "penalty_cap": 0.4,
-                            "hit_cap": 0.1}, max_length=LMAX)
+    cfg, dual = shaper_from_config({**BASE_CFG, "floor": 1e-5, "lambda_init": 0.0, "ceiling": 0.1,
+                                    "penalty_cap": 0.4, "hit_cap": 0.1})
     r = torch.tensor([1.0, 0.0, 1.0, 0.0])
     L = torch.tensor([100, 3000, LMAX, 1500])
-    shaped, _ = s.shape(r, L, None, 2)
+    shaped, _ = build_shaper(cfg)(r, L, None, 2, dual.value)
     assert shaped.tolist() == pytest.approx([1.0, 0.0, 0.9, 0.0], abs=1e-7)
-    assert s.dual_update(100.0) == 1e-5
+    assert next_lambda(dual, dual.value, 100.0) == 1e-5

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.core import DualController, shaper_from_config
+from laconic_nemo.core import DualController, load_shaper_state, shaper_state
+from laconic_nemo.grpo.build import build_dual
 
 
 def _old_update(lam, m, eta, budget, floor, ceiling):
@@ -175,15 +176,11 @@ def test_config_validation_names_the_key(override, key):
 
 def test_recipe_builds_the_pid_controller():
     cfg = load_config("tiny_cpu", ["laconic.controller=pid", "laconic.kp=0.4", "laconic.kd=0.6"])
-    from omegaconf import OmegaConf
-
-    shaper = shaper_from_config(OmegaConf.to_container(cfg.laconic), max_length=int(cfg.rollout.max_new_tokens))
-    d = shaper.dual
+    d = build_dual(cfg)
     assert (d.controller, d.kp, d.eta, d.kd) == ("pid", 0.4, float(cfg.laconic.eta), 0.6)
-    lam = shaper.dual_update(46.0)
+    lam = d.update(46.0)
     assert lam == pytest.approx(0.05 * (46 / 31 - 1) + 0.4 * (46 / 31 - 1))
-    assert shaper_from_config(OmegaConf.to_container(load_config("tiny_cpu").laconic),
-                              max_length=96).dual.controller == "integral"
+    assert build_dual(load_config("tiny_cpu")).controller == "integral"
 
 
 def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_bit_for_bit():
@@ -222,11 +219,11 @@ def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_
     first = [t.train_step(s) for s in range(3)]
     for m in first:
         assert m["lambda"] == ref.value and m["lambda_next"] == ref.update(m["mean_response_length"])
-    saved = json.loads(json.dumps(t.shaper.state_dict()))
+    saved = json.loads(json.dumps(shaper_state(t.shaper.name, t.dual)))
     tail = [t.train_step(s)["lambda_next"] for s in range(3, 5)]
     u = trainer()
     u.actor.calls.extend([0, 0, 0])  # the stub's rollouts of steps 3 and 4
-    u.shaper.load_state_dict(saved)
+    load_shaper_state(u.shaper.name, u.dual, saved)
     assert [u.train_step(s)["lambda_next"].hex() for s in range(3, 5)] == [v.hex() for v in tail]
     assert len({m["lambda_next"] for m in first}) == 3
 
@@ -241,8 +238,8 @@ def test_tiny_cpu_pid_recipe_differs_from_tiny_cpu_only_in_the_controller():
     a.pop("laconic"), b.pop("laconic")
     a["run"].pop("name"), b["run"].pop("name"), a["run"].pop("output_dir"), b["run"].pop("output_dir")
     assert a == b
-    shaper = shaper_from_config(OmegaConf.to_container(pid.laconic), max_length=int(pid.rollout.max_new_tokens))
-    assert shaper.dual.controller == "pid" and shaper.dual.kp > 0
+    dual = build_dual(pid)
+    assert dual.controller == "pid" and dual.kp > 0
 
 
 def _rank_worker(rank, world, port, q):

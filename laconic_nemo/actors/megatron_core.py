@@ -53,14 +53,6 @@ def resolve_choice(key: str, value: str, choices: tuple[str, ...], auto: str) ->
     return auto if value == "auto" else value
 
 
-def _cfg_get(section: Any, key: str, default: Any = None) -> Any:
-    if section is None:
-        return default
-    if isinstance(section, dict):
-        return section.get(key, default)
-    return getattr(section, key, default) if key in section else default
-
-
 def pad_vocab_size(vocab_size: int, tp: int) -> int:
     """Smallest multiple of ``tp`` that is >= vocab_size."""
     return ((vocab_size + tp - 1) // tp) * tp
@@ -191,26 +183,22 @@ class MegatronCoreActor:
         from a Hugging Face checkpoint); the default builds the synthetic GPT of ``cfg.model``.
         ``cfg.model.vocab_size`` must be set either way (the real vocabulary; padding is internal).
         """
-        model_cfg = cfg["model"]
-        par = cfg["parallel"]
-        optim = cfg["optim"]
-        grpo = cfg["grpo"]
-        rollout = cfg["rollout"] if "rollout" in cfg else None
-        seed = int(cfg["run"]["seed"])
-        tp = int(_cfg_get(par, "tensor_model_parallel_size", 1))
-        pp = int(_cfg_get(par, "pipeline_model_parallel_size", 1))
-        info = init_distributed(tp, pp, backend=str(_cfg_get(par, "backend", "auto")), seed=seed)
+        model_cfg, par, optim, grpo, rollout = cfg.model, cfg.parallel, cfg.optim, cfg.grpo, cfg.rollout
+        seed = int(cfg.run.seed)
+        tp = int(par.tensor_model_parallel_size)
+        pp = int(par.pipeline_model_parallel_size)
+        info = init_distributed(tp, pp, backend=str(par.backend), seed=seed)
         on_gpu = info.device.type == "cuda"
-        attention = resolve_attention(str(_cfg_get(model_cfg, "attention", "auto")), on_gpu)
+        attention = resolve_attention(str(model_cfg.attention), on_gpu)
         hf_path = None
-        if str(_cfg_get(model_cfg, "source", "synthetic")) == "hf":
+        if str(model_cfg.source) == "hf":
             # A Hugging Face checkpoint: architecture, shapes and weights from the bridge.
             from laconic_nemo.bridge import arch_from_hf_config
             from laconic_nemo.bridge.megatron import actor_kwargs
 
             hf_path = str(model_cfg["path"])
             arch = arch_from_hf_config(hf_path)
-            dtype = torch.bfloat16 if str(_cfg_get(model_cfg, "precision", "fp32")) == "bf16" else None
+            dtype = torch.bfloat16 if str(model_cfg.precision) == "bf16" else None
             parts = actor_kwargs(arch, tp, pp, cpu=not on_gpu, dtype=dtype, attention=attention)
             tconfig, model_provider = parts["transformer_config"], parts["model_provider"]
             vocab_size, padded = parts["vocab_size"], parts["padded_vocab_size"]
@@ -219,7 +207,7 @@ class MegatronCoreActor:
             vocab_size = int(model_cfg["vocab_size"])
             padded = pad_vocab_size(vocab_size, tp)
         if model_provider is None:
-            max_pos = int(_cfg_get(model_cfg, "max_position_embeddings", 4096))
+            max_pos = int(model_cfg.max_position_embeddings)
 
             def model_provider(pre_process: bool, post_process: bool):
                 return build_gpt_model(tconfig, padded, max_pos, pre_process, post_process, attention)
@@ -231,21 +219,21 @@ class MegatronCoreActor:
             vocab_size=vocab_size,
             padded_vocab_size=padded,
             lr=float(optim["lr"]),
-            weight_decay=float(_cfg_get(optim, "weight_decay", 0.0)),
-            adam_beta1=float(_cfg_get(optim, "adam_beta1", 0.9)),
-            adam_beta2=float(_cfg_get(optim, "adam_beta2", 0.999)),
-            adam_eps=float(_cfg_get(optim, "adam_eps", 1e-8)),
-            warmup_steps=int(_cfg_get(optim, "warmup_steps", 0)),
-            grad_clip=float(_cfg_get(optim, "grad_clip", 1.0)),
-            kl_beta=float(_cfg_get(grpo, "kl_beta", 0.0)),
-            micro_batch_size=int(_cfg_get(grpo, "micro_batch_size", 4)),
-            pad_id=_cfg_get(model_cfg, "pad_id", None),
-            sampler=str(_cfg_get(rollout, "sampler", "auto")),
-            sync_every=int(_cfg_get(rollout, "sync_every", 8)),
-            compact_rows=bool(_cfg_get(rollout, "compact", True)),
-            logprob_chunk_size=int(_cfg_get(grpo, "logprob_chunk_size", 1024)),
-            reference_on=str(_cfg_get(grpo, "reference_on", "auto")),
-            sort_by_length=bool(_cfg_get(grpo, "sort_by_length", True)),
+            weight_decay=float(optim.weight_decay),
+            adam_beta1=float(optim.adam_beta1),
+            adam_beta2=float(optim.adam_beta2),
+            adam_eps=float(optim.adam_eps),
+            warmup_steps=int(optim.warmup_steps),
+            grad_clip=float(optim.grad_clip),
+            kl_beta=float(grpo.kl_beta),
+            micro_batch_size=int(grpo.micro_batch_size),
+            pad_id=None,  # not a recipe key: responses are padded with the EOS id
+            sampler=str(rollout.sampler),
+            sync_every=int(rollout.sync_every),
+            compact_rows=bool(rollout.compact),
+            logprob_chunk_size=int(grpo.logprob_chunk_size),
+            reference_on=str(grpo.reference_on),
+            sort_by_length=bool(grpo.sort_by_length),
         )
         if hf_path is not None:
             from laconic_nemo.bridge import load_hf_checkpoint
@@ -891,7 +879,7 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
     fusions on GPU: :func:`laconic_nemo.kernels.fusion_flags`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    precision = str(_cfg_get(model_cfg, "precision", "fp32"))
+    precision = str(model_cfg.precision)
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
     if precision == "bf16" and not on_gpu:
@@ -907,7 +895,7 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
         num_layers=num_layers,
         hidden_size=int(model_cfg["hidden_size"]),
         num_attention_heads=heads,
-        ffn_hidden_size=int(_cfg_get(model_cfg, "ffn_hidden_size", 4 * int(model_cfg["hidden_size"]))),
+        ffn_hidden_size=int(model_cfg.ffn_hidden_size),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype,

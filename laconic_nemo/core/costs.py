@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["clipped_cost", "linear_cost", "lagrangian_reward", "check_budget", "float_dtype_of", "cost_lengths"]
+__all__ = ["clipped_cost", "linear_cost", "lagrangian_reward", "length_penalty", "check_budget", "float_dtype_of",
+           "cost_lengths"]
 
 
 def check_budget(budget: float, name: str = "budget") -> float:
@@ -98,26 +99,41 @@ def linear_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:
     return ((lengths.to(torch.float64) - b) / b).to(out_dtype)
 
 
-def lagrangian_reward(rewards: torch.Tensor, costs: torch.Tensor, lam: float | torch.Tensor) -> torch.Tensor:
-    """Lagrangian reward ``l = r - lambda * c``, elementwise.
+def lagrangian_reward(rewards: torch.Tensor, costs: torch.Tensor, lam: float | torch.Tensor,
+                      penalty_cap: float | None = None, hit_cap: float = 0.0,
+                      truncated: torch.Tensor | None = None) -> torch.Tensor:
+    """Lagrangian reward ``l = r - min(lambda * c, penalty_cap) - hit_cap * 1[truncated]``, elementwise.
+
+    The paper's form is ``l = r - lambda * c`` (no cap, hit_cap 0); the cap and the hit penalty are the authors'
+    code's (docs/algorithm.md).
 
     Args:
         rewards: tensor [N] of task rewards r.
         costs: tensor [N] of costs c (same shape as rewards).
         lam: the multiplier lambda (a float, or a tensor broadcastable to [N]).
+        penalty_cap: cap on the per-response penalty lambda * c; None = no cap.
+        hit_cap: extra penalty for the responses flagged in ``truncated`` [N] bool.
 
     Returns:
         float tensor [N] in the promoted floating dtype of rewards and costs.
     """
-    if not isinstance(rewards, torch.Tensor):
-        rewards = torch.as_tensor(rewards)
-    if not isinstance(costs, torch.Tensor):
-        costs = torch.as_tensor(costs)
+    rewards, costs = torch.as_tensor(rewards), torch.as_tensor(costs)
     if rewards.shape != costs.shape:
         raise ValueError(f"rewards and costs must have the same shape, got {tuple(rewards.shape)} and "
                          f"{tuple(costs.shape)}")
     if isinstance(lam, (int, float)) and not isinstance(lam, bool) and not math.isfinite(float(lam)):
         raise ValueError(f"lam must be finite, got {lam!r}")
     out_dtype = torch.promote_types(float_dtype_of(rewards), float_dtype_of(costs))
+    return (rewards.to(torch.float64) - length_penalty(costs, lam, penalty_cap, hit_cap, truncated)).to(out_dtype)
+
+
+def length_penalty(costs: torch.Tensor, lam: float | torch.Tensor, penalty_cap: float | None = None,
+                   hit_cap: float = 0.0, truncated: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 penalty [N] that :func:`lagrangian_reward` subtracts: ``min(lambda * c, cap) + hit_cap * 1[trunc]``."""
     lam64 = lam.to(torch.float64) if isinstance(lam, torch.Tensor) else float(lam)
-    return (rewards.to(torch.float64) - lam64 * costs.to(torch.float64)).to(out_dtype)
+    penalty = lam64 * costs.to(torch.float64)
+    if penalty_cap is not None:
+        penalty = penalty.clamp_max(penalty_cap)
+    if hit_cap:
+        penalty = penalty + hit_cap * truncated.to(torch.float64)
+    return penalty

@@ -26,38 +26,71 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from laconic_nemo.core.costs import check_budget
-
-__all__ = ["CONTROLLERS", "DualController", "default_ceiling"]
+__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "check_dual", "default_ceiling", "load_shaper_state",
+           "next_lambda", "shaper_state"]
 
 CONTROLLERS = ("integral", "pid")
 
 
-def _finite(name: str, value: Any, allowed: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+class DualSettingError(ValueError):
+    """A controller setting out of range: ``key`` (the argument), ``value`` and the ``allowed`` range."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        super().__init__(f"{key} must be {allowed}, got {value!r}")
+        self.key, self.value, self.allowed = key, value, allowed
+
+
+def _finite(key: str, value: Any, allowed: str, low: float | None = None) -> float:
     try:
-        v = float(value)
+        v = math.nan if isinstance(value, (bool, str)) else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}") from None
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        v = math.nan
+    if not math.isfinite(v) or (low is not None and v < low):
+        raise DualSettingError(key, value, allowed)
     return v
 
 
-def default_ceiling(budget: float, max_length: int) -> float:
+def default_ceiling(budget: float, max_length: float) -> float:
     """The paper's default ceiling ``Lambda = B / (L_max - B)``.
 
     With 0/1 rewards, a correct response of length L_max has Lagrangian reward
     ``1 - lambda * (L_max - B) / B``, which stays >= 0 (the reward of an incorrect response inside the
-    budget) exactly when ``lambda <= B / (L_max - B)``. Requires ``L_max > B``.
+    budget) exactly when ``lambda <= B / (L_max - B)``. Requires ``L_max > B`` (:func:`check_dual`).
     """
-    b = check_budget(budget)
-    lmax = _finite("max_length", max_length, "a finite number of tokens > budget")
-    if lmax <= b:
-        raise ValueError(f"max_length must be > budget (got max_length={max_length!r}, budget={budget!r}): "
-                         "the default ceiling B / (L_max - B) needs L_max > B")
-    return b / (lmax - b)
+    if not max_length > budget:
+        raise DualSettingError("max_length", max_length, f"> budget = {budget!r} (the default ceiling B / (L_max - B) "
+                                                         "needs L_max > B)")
+    return budget / (max_length - budget)
+
+
+def check_dual(budget: float, eta: float, ceiling: float | None, floor: float, init: float, controller: str,
+               kp: float, kd: float, max_length: float | None) -> float:
+    """Check the controller's settings (the config boundary calls it too); return the ceiling Lambda (inf: none).
+
+    Raises :class:`DualSettingError` naming the argument and its allowed range."""
+    if _finite("budget", budget, "a finite number > 0 (tokens)") <= 0:
+        raise DualSettingError("budget", budget, "a finite number > 0 (tokens)")
+    if controller not in CONTROLLERS:
+        raise DualSettingError("controller", controller, f"one of {', '.join(CONTROLLERS)}")
+    for key, v in (("kp", kp), ("kd", kd)):
+        _finite(key, v, "a finite number >= 0", low=0.0)
+        if v != 0 and controller == "integral":
+            raise DualSettingError(key, v, "0 unless controller = 'pid' (the integral controller has only eta)")
+    _finite("eta", eta, "a finite number >= 0", low=0.0)
+    _finite("floor", floor, "a finite number >= 0", low=0.0)
+    if max_length is not None:
+        _finite("max_length", max_length, f"a finite number of tokens > budget = {budget!r}")
+    if ceiling is None:
+        ceiling = default_ceiling(budget, max_length) if max_length is not None else math.inf
+    else:
+        _finite("ceiling", ceiling, "a finite number >= floor")
+        if ceiling < floor:
+            raise DualSettingError("ceiling", ceiling, f">= floor = {floor!r}")
+    _finite("init", init, f"a finite number in [0, ceiling] = [0, {ceiling!r}]")
+    if not 0.0 <= init <= ceiling:
+        raise DualSettingError("init", init, f"in [0, ceiling] = [0, {ceiling!r}] (below floor = {floor!r} is "
+                                             "allowed: the first update clips it)")
+    return float(ceiling)
 
 
 class DualController:
@@ -89,39 +122,11 @@ class DualController:
         kp: float = 0.0,
         kd: float = 0.0,
     ) -> None:
-        self.budget = check_budget(budget)
-        if controller not in CONTROLLERS:
-            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}, got {controller!r}")
-        self.controller = controller
-        self.kp = _finite("kp", kp, "a finite number >= 0")
-        self.kd = _finite("kd", kd, "a finite number >= 0")
-        for name, v in (("kp", self.kp), ("kd", self.kd)):
-            if v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-            if v != 0 and controller == "integral":
-                raise ValueError(f"{name} = {v!r} needs controller = 'pid' (the integral controller has only eta)")
-        self.eta = _finite("eta", eta, "a finite number >= 0")
-        if self.eta < 0:
-            raise ValueError(f"eta must be a finite number >= 0, got {eta!r}")
-        self.floor = _finite("floor", floor, "a finite number >= 0")
-        if self.floor < 0:
-            raise ValueError(f"floor must be a finite number >= 0, got {floor!r}")
-        self.max_length = None
-        if max_length is not None:
-            lmax = _finite("max_length", max_length, "a finite number of tokens > budget")
-            if lmax <= self.budget:
-                raise ValueError(f"max_length must be > budget (got max_length={max_length!r}, budget={budget!r})")
-            self.max_length = lmax
-        if ceiling is None:
-            self.ceiling = default_ceiling(self.budget, self.max_length) if self.max_length is not None else math.inf
-        else:
-            self.ceiling = _finite("ceiling", ceiling, "a finite number >= floor")
-        if self.ceiling < self.floor:
-            raise ValueError(f"ceiling must be >= floor, got ceiling={self.ceiling!r} and floor={self.floor!r}")
-        init_v = _finite("init", init, f"a finite number in [0, ceiling] = [0, {self.ceiling!r}]")
-        if not (0.0 <= init_v <= self.ceiling):
-            raise ValueError(f"init must be in [0, ceiling] = [0, {self.ceiling!r}] (below floor = {self.floor!r} "
-                             f"is allowed: the first update clips it), got {init!r}")
+        self.ceiling = check_dual(budget, eta, ceiling, floor, init, controller, kp, kd, max_length)
+        self.budget, self.eta, self.floor = float(budget), float(eta), float(floor)
+        self.controller, self.kp, self.kd = controller, float(kp), float(kd)
+        self.max_length = None if max_length is None else float(max_length)
+        init_v = float(init)
         self._lam = init_v
         self.num_updates = 0
         self._integral = init_v          # pid: the integral term I, in lambda units
@@ -134,9 +139,7 @@ class DualController:
 
     def step_size(self, mean_length: float) -> float:
         """The unclipped increment ``eta * (mean_L / B - 1)`` for a given mean length."""
-        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0")
-        if ml < 0:
-            raise ValueError(f"mean_length must be a finite number of tokens >= 0, got {mean_length!r}")
+        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0", low=0.0)
         return self.eta * (ml / self.budget - 1.0)
 
     def update(self, mean_length: float) -> float:
@@ -152,9 +155,7 @@ class DualController:
         return self._lam
 
     def _pid_update(self, mean_length: float) -> float:
-        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0")
-        if ml < 0:
-            raise ValueError(f"mean_length must be a finite number of tokens >= 0, got {mean_length!r}")
+        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0", low=0.0)
         err = ml / self.budget - 1.0
         deriv = 0.0 if self._prev_error is None else err - self._prev_error
         lam_prev = self._lam
@@ -246,3 +247,27 @@ class DualController:
         return (f"DualController(lam={self._lam!r}, budget={self.budget!r}, eta={self.eta!r}, "
                 f"ceiling={self.ceiling!r}, floor={self.floor!r}, controller={self.controller!r}, kp={self.kp!r}, "
                 f"kd={self.kd!r})")
+
+
+def next_lambda(dual: DualController | None, lam: float, global_mean_length: float) -> float:
+    """The trainer's dual step: ``dual.update(mean_L)``, or the constant ``lam`` of a shaper without a controller.
+
+    ``global_mean_length``: the mean response length over the WHOLE global batch (finite, >= 0)."""
+    _finite("global_mean_length", global_mean_length, "a finite number of tokens >= 0", low=0.0)
+    return lam if dual is None else dual.update(global_mean_length)
+
+
+def shaper_state(shaper: str, dual: DualController | None) -> dict[str, Any]:
+    """The ``shaper`` entry of trainer_state.json: the shaper's name and, with a controller, its state."""
+    return {"shaper": shaper} if dual is None else {"shaper": shaper, "dual": dual.state_dict()}
+
+
+def load_shaper_state(shaper: str, dual: DualController | None, state: Mapping[str, Any], strict: bool = True) -> None:
+    """Restore :func:`shaper_state` into ``dual``; the saved shaper must be this run's."""
+    if state.get("shaper") != shaper:
+        raise ValueError(f"shaper state mismatch on 'shaper': checkpoint has {state.get('shaper')!r}, this run has "
+                         f"{shaper!r}")
+    if dual is not None:
+        if "dual" not in state:
+            raise ValueError(f"shaper state for {shaper!r} is missing key 'dual'")
+        dual.load_state_dict(state["dual"], strict=strict)

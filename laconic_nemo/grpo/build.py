@@ -16,22 +16,33 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.core import group_advantages, shaper_from_config
-from laconic_nemo.core.shapers import RewardShaper
+from laconic_nemo.core import SHAPERS, DualController, Shaper, group_advantages
 
 
-def build_shaper(cfg: DictConfig) -> RewardShaper:
-    """The recipe's reward shaper (with its DualController for laconic / linear), checked against
-    ``data.target_length_range`` for the L1 baselines."""
-    shaper = shaper_from_config(OmegaConf.to_container(cfg.laconic, resolve=True),
-                                max_length=int(cfg.rollout.max_new_tokens))
-    rng = cfg.data.target_length_range
-    if getattr(shaper, "needs_targets", False) and rng is None:
-        raise ValueError(f"laconic.shaper = {cfg.laconic.shaper} needs per-prompt target lengths: "
+def build_shaper(cfg: DictConfig) -> Shaper:
+    """The recipe's reward shaper (a registered function and its ``laconic:`` settings); the recipe was checked at
+    load time, :func:`needs_targets_range` aside."""
+    lc = cfg.laconic
+    if SHAPERS[lc.shaper].needs_targets and cfg.data.target_length_range is None:
+        raise ValueError(f"laconic.shaper = {lc.shaper} needs per-prompt target lengths: "
                          "set data.target_length_range = [min, max]")
-    if rng is not None and not 1 <= int(rng[0]) <= int(rng[1]):
-        raise ValueError(f"data.target_length_range = {list(rng)}: need 1 <= min <= max")
-    return shaper
+    return Shaper(lc.shaper, budget=lc.budget, max_length=cfg.rollout.max_new_tokens, penalty_cap=lc.penalty_cap,
+                  hit_cap=lc.hit_cap, alpha=lc.alpha, overlong_buffer=lc.overlong_buffer,
+                  overlong_penalty=lc.overlong_penalty)
+
+
+def build_dual(cfg: DictConfig) -> DualController | None:
+    """The lambda controller of an adaptive shaper (laconic, linear); None for the others."""
+    lc = cfg.laconic
+    if SHAPERS[lc.shaper].lam != "dual":
+        return None
+    return DualController(lc.budget, lc.eta, ceiling=lc.ceiling, max_length=cfg.rollout.max_new_tokens,
+                          init=lc.lambda_init, floor=lc.floor, controller=lc.controller, kp=lc.kp, kd=lc.kd)
+
+
+def constant_lambda(cfg: DictConfig) -> float:
+    """lambda of a shaper without a controller: laconic.lambda_init for ``fixed``, 0 for the others."""
+    return float(cfg.laconic.lambda_init) if SHAPERS[cfg.laconic.shaper].lam == "fixed" else 0.0
 
 
 def advantage_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -90,19 +101,19 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
     G = int(cfg.grpo.group_size)
-    shaper = build_shaper(cfg)
+    shaper, controller = build_shaper(cfg), build_dual(cfg)
+    lam = controller.value if controller is not None else constant_lambda(cfg)
     lmax = int(cfg.rollout.max_new_tokens)
     lengths = torch.tensor([[1, lmax][i % 2] for i in range(G)], dtype=torch.long)
-    shaped, _ = shaper.shape(torch.linspace(0.0, 1.0, G), lengths, lengths >= lmax, G,
-                             torch.full((G,), float(lmax)) if shaper.needs_targets else None)
+    shaped, _ = shaper(torch.linspace(0.0, 1.0, G), lengths, lengths >= lmax, G, lam,
+                       torch.full((G,), float(lmax)) if shaper.fn.needs_targets else None)
     adv = group_advantages(shaped, G, **advantage_settings(cfg))
     dual = None
-    if hasattr(shaper, "dual"):
+    if controller is not None:
         import copy
 
-        probe = copy.deepcopy(shaper.dual)
-        probe.update(float(lengths.float().mean()))
-        dual = {k: v for k, v in shaper.dual.state_dict().items()
+        copy.deepcopy(controller).update(float(lengths.float().mean()))
+        dual = {k: v for k, v in controller.state_dict().items()
                 if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
 
     loss_kw = loss_settings(cfg)
@@ -117,7 +128,7 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
     loss.backward()
 
     out = StepOneBuild(
-        shaper=type(shaper).__name__, lambda_init=float(shaper.lam), dual=dual,
+        shaper=shaper.name, lambda_init=float(lam), dual=dual,
         advantages=advantage_settings(cfg), loss=loss_kw, reward="", count_eos=bool(cfg.laconic.count_eos),
         prompt_template=str(cfg.data.prompt_template),
     )

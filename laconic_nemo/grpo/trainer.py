@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.core import cost_lengths, group_advantages
+from laconic_nemo.config import check_layout
+from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
 from laconic_nemo.faults import armed, fault_point, fire, heartbeat
-from laconic_nemo.grpo.build import advantage_settings, build_shaper, loss_settings
+from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
 from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
@@ -114,16 +115,10 @@ class GRPOTrainer:
         self.G = int(g.group_size)
         self.num_steps = int(cfg.run.num_steps)
         dp = actor.dp_size
-        if int(g.num_prompts_per_step) % dp:
-            raise ValueError(f"grpo.num_prompts_per_step = {g.num_prompts_per_step} must be divisible by DP = {dp}")
-        rollout = int(g.num_prompts_per_step) * self.G
-        if int(g.minibatch_size) % dp or rollout % int(g.minibatch_size):
-            raise ValueError(
-                f"grpo.minibatch_size = {g.minibatch_size} must divide the rollout batch {rollout} "
-                f"and be divisible by DP = {dp}"
-            )
+        check_layout(cfg, dp)
         self.local_minibatch = int(g.minibatch_size) // dp
-        self.shaper = build_shaper(cfg)  # the same builder `laconic-nemo plan` runs
+        # the same builders `laconic-nemo plan` runs; the controller is the only state of the shaping
+        self.shaper, self.dual, self._constant_lambda = build_shaper(cfg), build_dual(cfg), constant_lambda(cfg)
         rng = cfg.data.target_length_range
         self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
         self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
@@ -136,6 +131,11 @@ class GRPOTrainer:
         self.step = 0
         self._stop_signal: int | None = None
         self.history: list[dict] = []
+
+    @property
+    def lam(self) -> float:
+        """lambda of the next step: the controller's, or the shaper's constant."""
+        return self.dual.value if self.dual is not None else self._constant_lambda
 
     # ------------------------------------------------------------------ signals / preemption
     def _install_signal_handlers(self):
@@ -209,7 +209,7 @@ class GRPOTrainer:
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
             lengths, truncated = cost_lengths(gen.lengths, gen.truncated, bool(self.cfg.laconic.count_eos))
-            shaped, shaper_metrics = self.shaper.shape(task_reward, lengths, truncated, self.G, targets)
+            shaped, shaper_metrics = self.shaper(task_reward, lengths, truncated, self.G, self.lam, targets)
             advantages = group_advantages(shaped, self.G, **advantage_settings(self.cfg))
 
         batch = TrainBatch(
@@ -233,8 +233,8 @@ class GRPOTrainer:
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
             sums = allreduce_sum([int(lengths.sum()), lengths.numel()], group=self.actor.dp_group, dtype=torch.int64)
             global_mean_length = float(sums[0].item()) / float(sums[1].item())
-            lam_used = float(self.shaper.lam)
-            lam_next = float(self.shaper.dual_update(global_mean_length))
+            lam_used = self.lam
+            lam_next = next_lambda(self.dual, lam_used, global_mean_length)
 
         metrics = self._global_metrics(shaper_metrics, reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
@@ -315,7 +315,7 @@ class GRPOTrainer:
         if self.is_logger:
             state = {
                 "step": step,
-                "shaper": self.shaper.state_dict(),
+                "shaper": shaper_state(self.shaper.name, self.dual),
                 "world_size": self.world,
                 "dp_size": self.actor.dp_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
@@ -373,7 +373,7 @@ class GRPOTrainer:
         np.random.set_state(rng["numpy"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        self.shaper.load_state_dict(state["shaper"], strict=strict)
+        load_shaper_state(self.shaper.name, self.dual, state["shaper"], strict=strict)
         return int(state["step"])
 
     def _barrier(self):
@@ -437,7 +437,7 @@ class GRPOTrainer:
         if resume is not None:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:
-                print(f"resumed from {resume} at step {self.step} (lambda {self.shaper.lam:.6f})", flush=True)
+                print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
         self._truncate_metrics(self.step)
         self._install_signal_handlers()
         every = int(self.cfg.checkpoint.every_n_steps)

@@ -82,7 +82,8 @@ def _hf_source(cfg: dict[str, Any], ckpt: Path, hf_config: str | None) -> str:
     if source != "hf":
         raise ExportError(
             f"{ckpt}: model.source is {source!r}; only runs with model.source: hf can be exported to Hugging Face "
-            + ("(the synthetic GPT has no Hugging Face architecture)" if source == "synthetic"
+            + ("(the synthetic GPT has no Hugging Face architecture; evaluate it with `laconic-nemo eval --model RUN "
+               "--benchmarks synthetic`)" if source == "synthetic"
                else "(NeMo-Aligner runs end in a .nemo checkpoint)"))
     src = hf_config or model.get("path")
     if not src or not (Path(src) / "config.json").is_file():

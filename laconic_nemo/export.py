@@ -59,6 +59,9 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[int, int], d
     except (OSError, ValueError) as exc:
         raise ExportError(f"{ckpt}: unreadable {STATE} ({exc})") from exc
     cfg = state.get("config") or {}
+    if str(cfg.get("model", {}).get("source")) == "nemo":  # its trainer state has no megatron-core shards beside it
+        raise ExportError(f"{ckpt}: a NeMo-Aligner run (model.source: nemo); its policy is the run's "
+                          "export/policy.nemo, which this command does not convert: use NeMo's checkpoint converters")
     par = cfg.get("parallel", {})
     tp, pp = int(par.get("tensor_model_parallel_size", 1)), int(par.get("pipeline_model_parallel_size", 1))
     want = {f"model_tp{t:02d}_pp{p:02d}.pt": (t, p) for t in range(tp) for p in range(pp)}
@@ -82,7 +85,8 @@ def _hf_source(cfg: dict[str, Any], ckpt: Path, hf_config: str | None) -> str:
     if source != "hf":
         raise ExportError(
             f"{ckpt}: model.source is {source!r}; only runs with model.source: hf can be exported to Hugging Face "
-            + ("(the synthetic GPT has no Hugging Face architecture)" if source == "synthetic"
+            + ("(the synthetic GPT has no Hugging Face architecture; evaluate it with `laconic-nemo eval --model RUN "
+               "--benchmarks synthetic`)" if source == "synthetic"
                else "(NeMo-Aligner runs end in a .nemo checkpoint)"))
     src = hf_config or model.get("path")
     if not src or not (Path(src) / "config.json").is_file():

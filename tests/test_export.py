@@ -131,3 +131,15 @@ def _check_errors(tmp_path: Path, run: Path, source: Path) -> None:
     assert export_hf(broken, tmp_path / "o", hf_config=str(source)) == broken
     # the command reports the error and exits 2 instead of a traceback
     assert cli_main(["export", str(tmp_path / "nowhere"), "--to", "hf", str(tmp_path / "o2")]) == 2
+
+
+def test_nemo_aligner_run_is_named(tmp_path):
+    """A NeMo-Aligner run keeps the trainer's state in checkpoints/step_X but its weights in NeMo's format:
+    the export names the run's kind instead of reporting missing megatron-core shards."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    ckpt.mkdir(parents=True)
+    state = {"step": 3, "config": {"model": {"source": "nemo"}, "parallel": {"tensor_model_parallel_size": 2}}}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt.parent / "latest").write_text(ckpt.name)
+    with pytest.raises(ExportError, match="a NeMo-Aligner run"):
+        export_hf(tmp_path / "run", tmp_path / "out")

@@ -1,4 +1,5 @@
-"""`laconic-nemo eval`: pass@1 and mean response tokens on the math benchmarks (the paper's Table 1)."""
+"""`laconic-nemo eval`: pass@1 and mean response tokens on the math benchmarks (the paper's Table 1), or on
+held-out problems of the tiny synthetic task for a synthetic-task run (``--benchmarks synthetic``)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,25 @@ def register(subparsers) -> None:
                         "OUTPUT_DIR/model first, see `laconic-nemo export`)")
     p.add_argument("--hf-config", default=None,
                    help="with a run as --model: folder with the base config.json and tokenizer (default: model.path)")
-    p.add_argument("--backend", choices=["transformers", "vllm"], default="vllm")
+    p.add_argument("--backend", choices=["transformers", "vllm", "megatron"], default=None,
+                   help="default: megatron for --benchmarks synthetic (a one-process megatron-core actor), else vllm")
     p.add_argument("--benchmarks", default="aime2024,math500,minerva,olympiad_bench,amc",
-                   help="comma-separated subset of aime2024,math500,minerva,olympiad_bench,amc, or 'all'")
+                   help="comma-separated subset of aime2024,math500,minerva,olympiad_bench,amc, or 'all'; or "
+                        "'synthetic': held-out problems of a synthetic-task run's task (--model: the run)")
+    p.add_argument("--choice-files", default=None,
+                   help="NAME=PATH[,NAME=PATH]: evaluate these multiple-choice JSONL files (GPQA / LSAT / MMLU style, "
+                        "format in laconic_nemo/eval/choice.py) instead of --benchmarks")
+    p.add_argument("--synthetic-problems", type=int, default=512,
+                   help="synthetic: held-out problems asked for (fewer when a number of terms has too few unseen)")
+    p.add_argument("--warmed-up", action="store_true",
+                   help="synthetic: evaluate the run's cached warm-up policy (its RL starting point, the base)")
+    p.add_argument("--warmup-cache", default=None,
+                   help="synthetic --warmed-up: the warm-up cache root (default: the run's warmup.cache_dir)")
     p.add_argument("--n-samples", type=int, default=4, help="samples per problem (pass@1 = mean correctness)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-tokens", type=int, default=32768, help="response limit (L_max at evaluation)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="response limit (L_max at evaluation); default 32768, synthetic: the run's rollout.max_new_tokens")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--base-summary", default=None, help="summary.json of the base model, for the change row")
     p.add_argument("--limit", type=int, default=None, help="first K problems of each benchmark")
@@ -30,7 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend")
     p.add_argument("--device", default="cpu", help="transformers backend")
-    p.add_argument("--batch-size", type=int, default=8, help="transformers backend: sequences per generate call")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per generate call: transformers backend (default 8), megatron backend (default 256)")
     p.set_defaults(func=main)
 
 
@@ -41,6 +55,12 @@ def check_args(args) -> str | None:
     from laconic_nemo.eval.benchmarks import parse_benchmarks
 
     model = os.path.expanduser(args.model)
+    if args.benchmarks.strip() == "synthetic":
+        return _check_synthetic(args)
+    if args.backend == "megatron":
+        return "--backend megatron evaluates synthetic-task runs only (--benchmarks synthetic)"
+    if args.warmed_up:
+        return "--warmed-up applies to --benchmarks synthetic only"
     if not os.path.isdir(model):
         what = "is a file" if os.path.exists(model) else "does not exist"
         return (f"--model {args.model!r} {what}: give a local Hugging Face checkpoint folder (with config.json); "
@@ -51,16 +71,67 @@ def check_args(args) -> str | None:
                 "run or checkpoint to export")
     try:
         parse_benchmarks(args.benchmarks)
+        if args.choice_files is not None:
+            from laconic_nemo.eval.choice import parse_choice_files
+
+            for name, path in parse_choice_files(args.choice_files).items():
+                if not os.path.isfile(path):
+                    return f"--choice-files: {name}={path}: no such file"
     except ValueError as exc:
         return str(exc)
-    positive = {"--n-samples": args.n_samples, "--max-tokens": args.max_tokens, "--chunk-prompts": args.chunk_prompts,
-                "--tensor-parallel-size": args.tensor_parallel_size,
-                "--batch-size": args.batch_size}
-    if args.limit is not None:
-        positive["--limit"] = args.limit
+    error = _check_numbers(args)
+    if error:
+        return error
+    return _check_common(args)
+
+
+def _check_numbers(args) -> str | None:
+    positive = {"--n-samples": args.n_samples, "--chunk-prompts": args.chunk_prompts,
+                "--tensor-parallel-size": args.tensor_parallel_size, "--synthetic-problems": args.synthetic_problems}
+    for flag, value in (("--max-tokens", args.max_tokens), ("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None:
+            positive[flag] = value
     for flag, value in positive.items():
         if value < 1:
             return f"{flag} = {value} is invalid: allowed an integer >= 1"
+    return None
+
+
+def _check_synthetic(args) -> str | None:
+    """--benchmarks synthetic: --model must be a synthetic-task run or checkpoint (with its warm-up cache for
+    --warmed-up), evaluated by the megatron backend."""
+    if args.backend not in (None, "megatron"):
+        return f"--benchmarks synthetic is generated by --backend megatron, not {args.backend}"
+    if args.choice_files is not None:
+        return "--choice-files and --benchmarks synthetic exclude each other"
+    error = _check_numbers(args)
+    if error:
+        return error
+    from laconic_nemo.eval.synthetic import run_config, warmup_policy_dir
+    from laconic_nemo.export import ExportError
+
+    try:
+        cfg, world_size = run_config(os.path.expanduser(args.model))
+    except ExportError as exc:
+        return f"--model {args.model!r}: {exc}"
+    if str(cfg.model.source) != "synthetic" or str(cfg.data.kind) != "synthetic":
+        return (f"--model {args.model!r} is a model.source = {cfg.model.source} run; --benchmarks synthetic needs a "
+                "synthetic-task run (data.kind = synthetic)")
+    limit = int(cfg.model.max_position_embeddings) - (2 + 2 * int(cfg.data.synthetic.max_terms) + 1)
+    if args.max_tokens is not None and args.max_tokens > limit:
+        return (f"--max-tokens = {args.max_tokens} is invalid: allowed 1..{limit} (the run's model.max_position_"
+                f"embeddings {cfg.model.max_position_embeddings} minus the longest prompt)")
+    if args.warmed_up:
+        if world_size is None:
+            return f"--model {args.model!r}: no checkpoint records the run's world size; the warm-up is not found"
+        cache = warmup_policy_dir(cfg, int(world_size), args.warmup_cache)
+        if not (cache / "done").is_file():
+            return (f"--warmed-up: the run's warm-up cache {cache} is missing or incomplete; pass --warmup-cache DIR "
+                    "(the folder holding policy_*)")
+    return _check_common(args)
+
+
+def _check_common(args) -> str | None:
     if args.grader_workers < 0:
         return f"--grader-workers = {args.grader_workers} is invalid: allowed an integer >= 0 (0: grade in-process)"
     if not args.temperature > 0:
@@ -73,7 +144,7 @@ def check_args(args) -> str | None:
         return f"--base-summary {args.base_summary!r} does not exist"
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         return f"--output-dir {args.output_dir!r} is a file, not a folder"
-    if args.backend == "vllm":
+    if args.backend in (None, "vllm") and args.benchmarks.strip() != "synthetic":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
@@ -97,21 +168,66 @@ def main(args) -> int:
     from laconic_nemo.export import ExportError, hf_model_dir
     from laconic_nemo.rewards import MathReward
 
+    if args.benchmarks.strip() == "synthetic":
+        return _main_synthetic(args)
     benchmarks = parse_benchmarks(args.benchmarks)
     name = args.name or os.path.basename(os.path.normpath(args.model))
+    if args.choice_files is not None:  # file format errors before any model is loaded
+        from laconic_nemo.eval.choice import ChoiceGrader, chat_prompt, load_choice_file, parse_choice_files
+
+        try:
+            problems = {n: load_choice_file(n, f) for n, f in parse_choice_files(args.choice_files).items()}
+        except ValueError as exc:
+            print(f"laconic-nemo eval: --choice-files: {exc}", file=sys.stderr)
+            return 2
     try:  # a run directory or checkpoint: export it (once) next to the results
         args.model = hf_model_dir(args.model, os.path.join(args.output_dir, "model"), args.hf_config)
     except ExportError as exc:
         print(f"laconic-nemo eval: {exc}", file=sys.stderr)
         return 2
-    sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens)
-    if args.backend == "vllm":
+    sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens or 32768)
+    if args.backend in (None, "vllm"):
         backend = VLLMBackend(args.model, tensor_parallel_size=args.tensor_parallel_size,
                               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
     else:
-        backend = TransformersBackend(args.model, device=args.device, batch_size=args.batch_size)
+        backend = TransformersBackend(args.model, device=args.device, batch_size=args.batch_size or 8)
+    if args.choice_files is not None:
+        tokenizer = getattr(backend, "tokenizer", None)
+        evaluate(backend, list(problems), args.output_dir, n_samples=args.n_samples, sampling=sampling,
+                 limit=args.limit, grader=ChoiceGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts,
+                 model_name=name, base_summary=args.base_summary, problems=problems,
+                 prompt_fn=lambda text: chat_prompt(text, tokenizer))
+        return 0
     with MathReward(num_workers=args.grader_workers) as grader:
         evaluate(backend, benchmarks, args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
                  grader=grader, seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
                  base_summary=args.base_summary)
+    return 0
+
+
+def _main_synthetic(args) -> int:
+    import torch
+
+    from laconic_nemo.eval.backends import EvalSampling
+    from laconic_nemo.eval.runner import evaluate
+    from laconic_nemo.eval.synthetic import (
+        BENCHMARK,
+        ExactAnswerGrader,
+        MegatronBackend,
+        benchmark_problems,
+        run_config,
+        warmup_policy_dir,
+    )
+
+    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    cfg, world_size = run_config(os.path.expanduser(args.model))
+    policy = warmup_policy_dir(cfg, int(world_size), args.warmup_cache) if args.warmed_up else args.model
+    name = args.name or os.path.basename(os.path.normpath(args.model)) + ("-warmup" if args.warmed_up else "")
+    backend = MegatronBackend(cfg, batch_size=args.batch_size or 256)
+    backend.load(policy, cfg)
+    problems = benchmark_problems(cfg, args.synthetic_problems, seed=args.seed)
+    sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens or int(cfg.rollout.max_new_tokens))
+    evaluate(backend, [BENCHMARK], args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
+             grader=ExactAnswerGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
+             base_summary=args.base_summary, problems={BENCHMARK: problems}, prompt_fn=lambda text: text)
     return 0

@@ -86,43 +86,65 @@ def summarize(rows: list[dict], benchmarks: list[str], n_samples: int | None = N
 
 
 def _cols(benchmarks: list[str]) -> list[str]:
-    return [b for b in BENCHMARKS if b in benchmarks]
+    """The paper's benchmarks in Table 1 order, then any other benchmark (e.g. the synthetic task) as given."""
+    return [b for b in BENCHMARKS if b in benchmarks] + [b for b in benchmarks if b not in BENCHMARKS]
+
+
+def display_name(benchmark: str) -> str:
+    """The column title of ``benchmark`` (the paper's spelling for its benchmarks)."""
+    from laconic_nemo.eval import synthetic
+
+    if benchmark == synthetic.BENCHMARK:
+        return synthetic.DISPLAY
+    return BENCHMARKS[benchmark][1] if benchmark in BENCHMARKS else benchmark
 
 
 def markdown_table(summary: dict, name: str, base: dict | None = None, base_name: str = "base") -> str:
     """The paper's Table 1: per benchmark Pass@1 (%) and #Tokens, the average over AIME2024/MATH500/
     Minerva/OlympiadBench; with ``base`` a base row and a change row (pass@1 points, % tokens)."""
-    cols = _cols(list(summary["benchmarks"]))
-    head = ["Model"] + [f"{BENCHMARKS[b][1]} {k}" for b in cols for k in ("Pass@1", "#Tokens")]
-    head += ["Avg Pass@1", "Avg #Tokens"]
+    if base is None:
+        return comparison_table([(name, summary)], with_base=False)
+    return comparison_table([(base_name, base), (name, summary)])
+
+
+def comparison_table(models: list[tuple[str, dict]], with_base: bool = True) -> str:
+    """Table 1 for several models: one row per (name, summary); with ``with_base`` the first model is the base
+    and every other model's row is followed by its change vs the base (pass@1 in points, tokens in %
+    ``100 (ours - base) / base``). The Avg columns are left out when no model has an average (a benchmark
+    set without the paper's four)."""
+    cols = _cols(list(dict.fromkeys(b for _, s in models for b in s["benchmarks"])))
+    show_avg = any(s.get("average") for _, s in models)
+    head = ["Model"] + [f"{display_name(b)} {k}" for b in cols for k in ("Pass@1", "#Tokens")]
+    head += ["Avg Pass@1", "Avg #Tokens"] if show_avg else []
 
     def row(label, s):
         cells = [label]
         for b in cols:
             m = s["benchmarks"].get(b)
             cells += ["-", "-"] if m is None else [f"{100 * m['pass@1']:.1f}", f"{m['tokens']:.0f}"]
-        a = s.get("average")
-        cells += ["-", "-"] if a is None else [f"{100 * a['pass@1']:.1f}", f"{a['tokens']:.0f}"]
+        if show_avg:
+            a = s.get("average")
+            cells += ["-", "-"] if a is None else [f"{100 * a['pass@1']:.1f}", f"{a['tokens']:.0f}"]
         return cells
 
-    def delta(p, t0, t1):
-        dp = 100 * (p[1] - p[0])
-        dt = 100 * (t1 - t0) / t0 if t0 else float("nan")
+    def delta(m0, m):
+        if m is None or m0 is None:
+            return ["-", "-"]
+        dp = 100 * (m["pass@1"] - m0["pass@1"])
+        dt = 100 * (m["tokens"] - m0["tokens"]) / m0["tokens"] if m0["tokens"] else float("nan")
         return [f"{dp:+.1f}", f"{dt:+.1f}%"]
 
+    base = models[0][1] if with_base else None
     rows = []
-    if base is not None:
-        rows.append(row(base_name, base))
-    rows.append(row(name, summary))
-    if base is not None:
-        cells = ["change"]
-        for b in cols:
-            m, m0 = summary["benchmarks"].get(b), base["benchmarks"].get(b)
-            cells += ["-", "-"] if m is None or m0 is None else delta(
-                (m0["pass@1"], m["pass@1"]), m0["tokens"], m["tokens"])
-        a, a0 = summary.get("average"), base.get("average")
-        cells += ["-", "-"] if a is None or a0 is None else delta((a0["pass@1"], a["pass@1"]), a0["tokens"], a["tokens"])
-        rows.append(cells)
+    for i, (label, s) in enumerate(models):
+        rows.append(row(label, s))
+        if base is not None and i > 0:
+            cells = ["change" if len(models) == 2 else f"change ({label})"]
+            for b in cols:
+                cells += delta(base["benchmarks"].get(b), s["benchmarks"].get(b))
+            if show_avg:
+                cells += delta(base.get("average"), s.get("average"))
+            rows.append(cells)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" --- "] * len(head)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -137,7 +159,7 @@ def plot_pass_vs_tokens(path: str, models: list[tuple[str, dict]]) -> None:
     import matplotlib.pyplot as plt
 
     cols = _cols(list(models[-1][1]["benchmarks"]))
-    panels = [(BENCHMARKS[b][1], lambda s, b=b: s["benchmarks"].get(b)) for b in cols]
+    panels = [(display_name(b), lambda s, b=b: s["benchmarks"].get(b)) for b in cols]
     if models[-1][1].get("average"):
         panels.append(("Average", lambda s: s.get("average")))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
@@ -164,13 +186,17 @@ def plot_pass_vs_tokens(path: str, models: list[tuple[str, dict]]) -> None:
 def evaluate(backend, benchmarks: list[str], output_dir: str, n_samples: int = 4,
              sampling: EvalSampling | None = None, limit: int | None = None, grader=None, seed: int = 0,
              chunk_prompts: int = 64, model_name: str = "model", base_summary: str | dict | None = None,
-             base_name: str = "base", log: Callable[[str], None] | None = None, data_dir: str | None = None) -> dict:
+             base_name: str = "base", log: Callable[[str], None] | None = None, data_dir: str | None = None,
+             problems: dict[str, list[Problem]] | None = None, prompt_fn: Callable[[str], str] | None = None) -> dict:
     """Evaluate ``backend`` on ``benchmarks``; returns the summary (also written to ``output_dir``).
 
     grader: object with ``score(responses, answers) -> RewardResult`` (default
     ``laconic_nemo.rewards.MathReward(num_workers=2)``). Prompts are generated in chunks of
     ``chunk_prompts`` problems; samples are appended to samples.jsonl after each chunk, so an interrupted run
-    loses at most one chunk and a rerun generates only the missing (problem, sample) pairs."""
+    loses at most one chunk and a rerun generates only the missing (problem, sample) pairs.
+    problems: benchmark -> its problems, for benchmarks that are not files of ``data_dir`` (the synthetic task,
+    :mod:`laconic_nemo.eval.synthetic`); prompt_fn: problem text -> prompt (default :func:`build_prompt` with
+    the backend's tokenizer)."""
     if n_samples < 1:
         raise ValueError(f"--n-samples must be >= 1, got {n_samples}")
     sampling = sampling or EvalSampling()
@@ -186,18 +212,19 @@ def evaluate(backend, benchmarks: list[str], output_dir: str, n_samples: int = 4
 
         grader = MathReward(num_workers=2)
     tokenizer = getattr(backend, "tokenizer", None)
+    prompt_fn = prompt_fn or (lambda text: build_prompt(text, tokenizer))
     _end_with_newline(path)  # a torn last line from an interrupted run must not swallow the next row
     try:
         with open(path, "a") as out:
             for b in benchmarks:
-                problems = load_benchmark(b, limit, data_dir)
-                todo = [(p, [s for s in range(n_samples) if s not in done[(b, p.index)]]) for p in problems]
+                rows_b = problems[b][:limit] if problems and b in problems else load_benchmark(b, limit, data_dir)
+                todo = [(p, [s for s in range(n_samples) if s not in done[(b, p.index)]]) for p in rows_b]
                 todo = [(p, missing) for p, missing in todo if missing]
                 total = sum(len(m) for _, m in todo)
-                log(f"[eval] {b}: {len(problems)} problems x {n_samples} samples, {total} to generate")
+                log(f"[eval] {b}: {len(rows_b)} problems x {n_samples} samples, {total} to generate")
                 t0, produced = time.time(), 0
                 for c in range(0, len(todo), chunk_prompts):
-                    _run_chunk(backend, grader, todo[c: c + chunk_prompts], sampling, seed, tokenizer, out)
+                    _run_chunk(backend, grader, todo[c: c + chunk_prompts], sampling, seed, prompt_fn, out)
                     produced += sum(len(m) for _, m in todo[c: c + chunk_prompts])
                     rate = produced / max(time.time() - t0, 1e-9)
                     log(f"[eval] {b}: {produced}/{total} samples, {rate:.2f} samples/s, "
@@ -237,13 +264,13 @@ def _end_with_newline(path: str) -> None:
 
 
 def _run_chunk(backend, grader, chunk: list[tuple[Problem, list[int]]], sampling: EvalSampling, seed: int,
-               tokenizer, out) -> None:
+               prompt_fn, out) -> None:
     # one generate call per distinct number of missing samples (usually one call with n = n_samples)
     by_n: dict[int, list[tuple[Problem, list[int]]]] = defaultdict(list)
     for p, missing in chunk:
         by_n[len(missing)].append((p, missing))
     for n, items in by_n.items():
-        prompts = [build_prompt(p.problem, tokenizer) for p, _ in items]
+        prompts = [prompt_fn(p.problem) for p, _ in items]
         seeds = [sample_seed(seed, p.benchmark, p.index, missing[0]) for p, missing in items]
         completions = backend.generate(prompts, n, sampling, seeds)
         flat = [(p, s, c) for (p, missing), comps in zip(items, completions) for s, c in zip(missing, comps)]

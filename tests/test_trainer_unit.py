@@ -87,7 +87,7 @@ def test_count_eos_reaches_the_shaper_and_the_dual_step():
 def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
     """Two configs whose warm-ups differ (micro-batch order) never share a cached policy; a change that does
     not touch the warm-up (the budget) does."""
-    from laconic_nemo.grpo.train_cli import _warmup_cache_dir
+    from laconic_nemo.app.train_cli import _warmup_cache_dir
 
     base = [f"warmup.cache_dir={tmp_path}"]
     plain = _warmup_cache_dir(load_config(TINY, base))

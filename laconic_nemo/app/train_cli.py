@@ -181,7 +181,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
                HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.grpo.train_cli", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env))
     delivered = [0] * nprocs
     failed_at, first_code, reported, stopped_by_us = None, None, set(), set()
     started = time.time()
@@ -308,7 +308,7 @@ def train(cfg: DictConfig) -> int:
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.faults import heartbeat
-    from laconic_nemo.grpo.plots import plot_training_curves
+    from laconic_nemo.app.plots import plot_training_curves
     from laconic_nemo.grpo.resume import read_metrics
     from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
     from laconic_nemo.megatron_env import destroy_distributed, init_distributed
@@ -394,7 +394,7 @@ def _warmup(cfg, actor, warmup_example, pad_id, info, log, should_stop=None) -> 
     import torch
     import torch.distributed as dist
 
-    from laconic_nemo.grpo.warmup import supervised_warmup
+    from laconic_nemo.app.warmup import supervised_warmup
 
     if warmup_example is None:
         raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")

@@ -344,8 +344,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from laconic_nemo.grpo.build import build_step_one
     from laconic_nemo.app.nemo_entry import split_overrides
+    from laconic_nemo.grpo.build import build_step_one
 
     recipe_ov, nemo_ov = split_overrides(list(args.overrides))  # nemo.* keys go to the NeMo config
     try:

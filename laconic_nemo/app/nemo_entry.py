@@ -16,7 +16,7 @@ and validated before anything else. Then:
   ``nemo.trainer.reinforce.trt_llm.enable=true``), the others to the recipe.
 * any other source -> the megatron-core trainer (``laconic_nemo.app.train_cli``).
 
-Both drive the same :class:`laconic_nemo.grpo.trainer.GRPOTrainer`. ``--prepare`` converts the HF
+Both run the same :func:`laconic_nemo.app.run.run`. ``--prepare`` converts the HF
 checkpoint to the recipe's ``model.path`` with NeMo's ``convert_qwen2_hf_to_nemo.py`` when that file
 is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Math), run through
 :mod:`laconic_nemo.convert_qwen2` so that a folder with ``tokenizer.json`` only converts; Qwen3 has no
@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -206,15 +204,14 @@ def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
 def nemo_resume_path(cfg: DictConfig) -> str | None:
     """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
 
-    Uses GRPOTrainer.find_resume_checkpoint (``checkpoint.resume`` auto / never / path), so both
-    actors pick checkpoints the same way."""
+    Uses :func:`laconic_nemo.grpo.checkpoint.find_resume_checkpoint` (``checkpoint.resume`` auto / never /
+    path), so both actors pick checkpoints the same way."""
     import torch
 
     from laconic_nemo.actors.nemo_aligner import read_sidecar
-    from laconic_nemo.grpo.trainer import GRPOTrainer
+    from laconic_nemo.grpo.checkpoint import find_resume_checkpoint
 
-    duck = SimpleNamespace(cfg=cfg, ckpt_root=Path(cfg.run.output_dir) / "checkpoints")
-    found = GRPOTrainer.find_resume_checkpoint(duck)
+    found = find_resume_checkpoint(cfg)
     if found is None:
         return None
     ref = torch.load(Path(found) / "model_tp00_pp00.pt", weights_only=False)
@@ -224,33 +221,13 @@ def nemo_resume_path(cfg: DictConfig) -> str | None:
     return str(folder)
 
 
-def _nemo_trainer_class():
-    from laconic_nemo.grpo.trainer import GRPOTrainer
-
-    class NemoGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer whose model state goes through NeMo's (collective) distributed checkpoint, written
-        before the trainer's own atomic step folder that refers to it."""
-
-        def save_checkpoint(self, step: int):
-            folder = self.ckpt_root / "nemo" / f"step_{step:06d}"
-            self.actor.save_sharded_checkpoint(folder, {"step": step, "shaper": self.shaper.state_dict()})
-            return super().save_checkpoint(step)
-
-        def _prune_checkpoints(self):
-            super()._prune_checkpoints()
-            keep = {p.name for p in self.ckpt_root.glob("step_*") if not p.name.endswith(".tmp")}
-            for d in (self.ckpt_root / "nemo").glob("step_*"):
-                if d.name not in keep:
-                    shutil.rmtree(d, ignore_errors=True)
-
-    return NemoGRPOTrainer
-
-
 def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
     import torch
     from nemo.utils.exp_manager import exp_manager
 
-    from laconic_nemo.actors.nemo_aligner import NemoAlignerActor, actor_model_class
+    from laconic_nemo.actors.nemo_aligner import NemoAlignerActor, NemoCheckpointHook, actor_model_class
+    from laconic_nemo.app.run import run
+    from laconic_nemo.app.task import Task
     from laconic_nemo.data.datasets import load_math_prompts
     from laconic_nemo.rewards.format import build_reward_fn
 
@@ -305,18 +282,17 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume)
 
     reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
-
-    trainer = _nemo_trainer_class()(cfg, actor, tok.text_to_ids, lambda ids: tok.ids_to_text(list(ids)),
-                                    [(i.prompt, i.answer) for i in items], reward_fn, tok.eos_id)
+    task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
+                decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     try:
-        status = trainer.fit()
-        if status == "finished":
+        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor))
+        if code == 0:
             export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
             model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
     finally:
         if lock is not None:
             lock.release()
-    return 0 if status == "finished" else 3
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

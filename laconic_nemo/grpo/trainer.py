@@ -22,6 +22,7 @@ requeue the job, which resumes).
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import sys
@@ -41,7 +42,14 @@ from laconic_nemo.data.sampler import PromptSampler, shard_prompts
 from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.build import advantage_settings, build_shaper, loss_settings
 from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, find_resume_checkpoint
-from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
+from laconic_nemo.grpo.interfaces import (
+    GenerationOutput,
+    LossFn,
+    PolicyActor,
+    SamplingParams,
+    TrainBatch,
+    response_mask,
+)
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 from laconic_nemo.grpo.metrics import MetricsWriter
 
@@ -64,6 +72,24 @@ def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torc
             t = t.cuda()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu()
+
+
+@dataclass
+class Rollout:
+    """One step's rollout on this DP rank (N = prompts of the rank x G).
+
+    gen: the generated batch (tokens [N, T], lengths L [N], truncation [N]).
+    texts: the N decoded responses.
+    task_reward: FloatTensor [N] the task reward r in [0, 1].
+    reward_metrics: the reward function's metrics (means over the N responses).
+    targets: DoubleTensor [N] the L1 baselines' target lengths n_gold, or None.
+    """
+
+    gen: GenerationOutput
+    texts: list[str]
+    task_reward: torch.Tensor
+    reward_metrics: dict[str, Any]
+    targets: torch.Tensor | None
 
 
 @dataclass
@@ -153,7 +179,8 @@ class GRPOTrainer:
         return bool(flag.item() > 0)
 
     # ------------------------------------------------------------------ one step
-    def _rollout(self, step: int, timer: Timer):
+    def _rollout(self, step: int, timer: Timer) -> Rollout:
+        """Generate this rank's G responses per prompt of ``step`` and grade them."""
         indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
         prompt_texts, targets = self._prompt_texts(step, indices)
         items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
@@ -175,7 +202,7 @@ class GRPOTrainer:
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
         if targets is not None:
             targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(self.G)
-        return gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets
+        return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets)
 
     def _prompt_texts(self, step: int, indices: list[int]):
         """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
@@ -204,7 +231,8 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, Any]:
         timer = Timer({}, step=step + 1)
         t_start = time.perf_counter()
-        gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
+        rollout = self._rollout(step, timer)
+        gen, task_reward, targets = rollout.gen, rollout.task_reward, rollout.targets
 
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
@@ -226,8 +254,12 @@ class GRPOTrainer:
             if float(self.cfg.grpo.kl_beta) > 0:
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
+        # the loss of this step: the recipe's settings at the rollout temperature; each optimiser minibatch
+        # binds its own global token / sequence counts
+        make_loss = functools.partial(make_grpo_loss_fn, **loss_settings(self.cfg),
+                                      temperature=float(self.cfg.rollout.temperature))
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch)
+            update_metrics = self._policy_update(batch, make_loss)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -236,7 +268,7 @@ class GRPOTrainer:
             lam_used = float(self.shaper.lam)
             lam_next = float(self.shaper.dual_update(global_mean_length))
 
-        metrics = self._global_metrics(shaper_metrics, reward_metrics, update_metrics, gen, task_reward)
+        metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
             step=step + 1,
             mean_response_length=global_mean_length,
@@ -247,10 +279,12 @@ class GRPOTrainer:
         for phase in PHASES:
             metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
         if self.is_logger:
-            metrics["sample_response"] = texts[0][:200]
+            metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
 
-    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+    def _policy_update(self, batch: TrainBatch, make_loss: Callable[..., LossFn]) -> dict[str, float]:
+        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses; ``make_loss(
+        global_num_tokens=, global_num_seqs=)`` gives the loss of a minibatch. Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -258,12 +292,7 @@ class GRPOTrainer:
         for start in range(0, n_local, self.local_minibatch):
             mb = batch.select(slice(start, start + self.local_minibatch))
             counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
-            loss_fn = make_grpo_loss_fn(
-                **loss_settings(self.cfg),
-                global_num_tokens=max(float(counts[0]), 1.0),
-                global_num_seqs=float(counts[1]),
-                temperature=float(self.cfg.rollout.temperature),
-            )
+            loss_fn = make_loss(global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]))
             out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)

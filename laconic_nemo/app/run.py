@@ -54,6 +54,15 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
             return 3
     heartbeat("resume")
     status = trainer.fit()
+    if status == "finished" and cfg.checkpoint.get("export_hf", False):
+        # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
+        heartbeat("export_hf", trainer.step)
+        if is_logger:
+            from laconic_nemo.export import export_hf
+
+            ckpt = export_hf(trainer.out, trainer.out / "hf")
+            print(f"exported {ckpt} as a Hugging Face model to {trainer.out / 'hf'}", flush=True)
+        trainer._barrier()
     heartbeat("finish")
     if is_logger:
         from laconic_nemo.grpo.resume import read_metrics

@@ -51,9 +51,9 @@ def _barrier():
 
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The complete checkpoint to resume (``checkpoint.resume`` auto / never / a folder, see
-    :func:`laconic_nemo.preflight.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible."""
+    :func:`laconic_nemo.grpo.resume.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible."""
     from laconic_nemo.config import ConfigError
-    from laconic_nemo.preflight import resume_source
+    from laconic_nemo.grpo.resume import resume_source
 
     try:
         return resume_source(cfg)

@@ -394,19 +394,7 @@ class GRPOTrainer:
                     print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
                           file=sys.stderr, flush=True)
                 return "preempted"
-        if self.cfg.checkpoint.get("export_hf", False):
-            self._export_hf()
         return "finished"
-
-    def _export_hf(self) -> None:
-        """``checkpoint.export_hf``: the final checkpoint as a Hugging Face folder ``<output_dir>/hf`` (rank 0)."""
-        heartbeat("export_hf", self.step)
-        if self.is_logger:
-            from laconic_nemo.export import export_hf
-
-            ckpt = export_hf(self.out, self.out / "hf")
-            print(f"exported {ckpt} as a Hugging Face model to {self.out / 'hf'}", flush=True)
-        self._barrier()
 
 
 def summarize(history: list[dict]) -> dict[str, float]:

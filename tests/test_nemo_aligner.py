@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from laconic_nemo.actors import nemo_aligner as na
+from laconic_nemo.app.nemo_entry import build_nemo_config, conversion_command, prepare, split_overrides
 from laconic_nemo.config import load_config
 from laconic_nemo.grpo.interfaces import TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
-from laconic_nemo.app.nemo_entry import build_nemo_config, conversion_command, prepare, split_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -390,8 +390,8 @@ def test_rollout_through_nemo_sampler(gloo_world, cpu_cuda_shims, monkeypatch, t
     shorter-prompt row that NeMo let run past max_length capped at L_max and marked truncated."""
     import warnings
 
-    from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.app.nemo_entry import apply_end_strings
+    from laconic_nemo.grpo.interfaces import SamplingParams
 
     nemo_tok, _ = _nemo_tokenizer(tmp_path)
     eos, M = nemo_tok.eos_id, 4

@@ -190,7 +190,7 @@ def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: li
     None values when no folder is readable); raises LayoutError naming the file or the string."""
     from omegaconf import OmegaConf
 
-    from laconic_nemo.nemo_entry import END_STRINGS_KEY, end_strings_override
+    from laconic_nemo.app.nemo_entry import END_STRINGS_KEY, end_strings_override
     from laconic_nemo.tokenizer_checks import (
         EndStringError,
         check_converter_folder,
@@ -332,8 +332,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from laconic_nemo.app.nemo_entry import split_overrides
     from laconic_nemo.grpo.build import build_step_one
-    from laconic_nemo.nemo_entry import split_overrides
 
     recipe_ov, nemo_ov = split_overrides(list(args.overrides))  # nemo.* keys go to the NeMo config
     try:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelInfo", "free_port", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "destroy_distributed"]
+__all__ = ["ParallelInfo", "free_port", "apply_cpu_patches", "cpu_patches_applied", "init_distributed", "parallel_info",
+           "destroy_distributed"]
 
 _PATCHED = False
 
@@ -269,12 +270,29 @@ def init_distributed(tp: int, pp: int, backend: str = "auto", seed: int = 0,
     # seed, which equals ``seed``; set it again explicitly so CPU and GPU runs start alike.
     torch.manual_seed(seed)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return parallel_info(tp, pp)
+
+
+def parallel_info(tp: int | None = None, pp: int | None = None) -> ParallelInfo:
+    """This rank's layout once :func:`init_distributed` has run (the entry point calls it; the actor only
+    reads it). RuntimeError when it has not run; ValueError when ``tp`` / ``pp`` (if given) differ from it."""
+    from megatron.core import parallel_state
+
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        raise RuntimeError("torch.distributed and megatron's parallel state are not initialised: the entry point "
+                           "calls laconic_nemo.megatron_env.init_distributed(tp, pp, ...) before building the actor")
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if (tp is not None and tp != tp_size) or (pp is not None and pp != pp_size):
+        raise ValueError(f"the recipe asks for TP {tp} x PP {pp} but megatron's parallel state was initialised "
+                         f"with TP {tp_size} x PP {pp_size}")
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return ParallelInfo(
-        world_size=world_size,
+        world_size=dist.get_world_size(),
         rank=dist.get_rank(),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        tp_size=tp_size,
+        pp_size=pp_size,
         dp_size=parallel_state.get_data_parallel_world_size(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),

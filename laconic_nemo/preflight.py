@@ -30,10 +30,9 @@ from laconic_nemo.config import ConfigError, base_config_path
 from laconic_nemo.grpo.resume import (
     ResumeError,
     check_resume_config,
-    complete_checkpoints,
-    find_checkpoint,
     read_metrics,
     read_trainer_state,
+    resume_source,
 )
 
 PREFLIGHT_DONE_ENV = "LACONIC_PREFLIGHT_DONE"
@@ -57,28 +56,6 @@ def check_writable_dir(path: str | Path, key: str) -> None:
         os.unlink(name)
     except OSError as exc:
         raise ConfigError(f"{key} = {str(path)!r} is invalid: cannot write in {probe} ({exc.strerror})") from exc
-
-
-def resume_source(cfg: DictConfig) -> Path | None:
-    """The checkpoint this run resumes from (None: a fresh start); ConfigError when that is not possible."""
-    out = Path(str(cfg.run.output_dir))
-    mode = str(cfg.checkpoint.resume)
-    if mode == "never":
-        used = [p for p in (out / "metrics.jsonl",) if p.is_file() and p.stat().st_size > 0]
-        used += complete_checkpoints(out / "checkpoints")
-        if used:
-            raise ConfigError(
-                f"checkpoint.resume = 'never' but run.output_dir = {str(out)!r} already holds a run "
-                f"({', '.join(p.name for p in used[:3])}): a fresh run there would mix the two. Choose another "
-                "run.output_dir, move the old run aside, or resume it with checkpoint.resume=auto")
-        return None
-    if mode == "auto":
-        return find_checkpoint(out / "checkpoints")
-    p = Path(mode)
-    if not (p / "trainer_state.json").is_file() or p.name.endswith(".tmp"):
-        raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: allowed auto, never or a complete checkpoint "
-                          "folder (step_NNNNNN holding trainer_state.json)")
-    return p
 
 
 def check_resume(cfg: DictConfig, world_size: int) -> Path | None:

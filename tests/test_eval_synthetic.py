@@ -4,7 +4,6 @@ policies (the cached warm-up and the latest checkpoint) reloaded into a one-proc
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,15 +15,14 @@ pytest.importorskip("megatron.core")
 from laconic_nemo.config import load_config  # noqa: E402
 from laconic_nemo.eval.synthetic import ExactAnswerGrader, benchmark_problems, heldout_problems  # noqa: E402
 
-DIST = Path(__file__).resolve().parent / "dist"
-sys.path.insert(0, str(DIST))
+DIST = Path(__file__).resolve().parent / "dist"  # on sys.path through tests/conftest.py
 
 
 def test_heldout_problems_are_disjoint_from_the_training_prompts():
-    from laconic_nemo.grpo import train_cli
+    from laconic_nemo.app.task import build_task
 
     cfg = load_config("tiny_cpu")
-    trained = {p for p, _ in train_cli.build_task(cfg)[5]}  # the prompts the trainer samples from
+    trained = {p for p, _ in build_task(cfg).prompts}  # the prompts the trainer samples from
     assert len(trained) > 1500
     held = heldout_problems(cfg, 512)
     prompts = [p.prompt for p in held]

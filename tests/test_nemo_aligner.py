@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from laconic_nemo.actors import nemo_aligner as na
+from laconic_nemo.app.nemo_entry import build_nemo_config, conversion_command, prepare, split_overrides
 from laconic_nemo.config import load_config
 from laconic_nemo.grpo.interfaces import TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
-from laconic_nemo.nemo_entry import build_nemo_config, conversion_command, prepare, split_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,7 +271,7 @@ def test_checkpoint_hooks_carry_laconic_state():
 
 
 def test_entry_rejects_bad_keys_before_anything_starts(capsys):
-    from laconic_nemo.nemo_entry import main
+    from laconic_nemo.app.nemo_entry import main
 
     recipe = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
     assert main([recipe, "grpo.groupsize=4"]) == 2
@@ -388,8 +388,8 @@ def test_rollout_through_nemo_sampler(gloo_world, cpu_cuda_shims, monkeypatch, t
     shorter-prompt row that NeMo let run past max_length capped at L_max and marked truncated."""
     import warnings
 
+    from laconic_nemo.app.nemo_entry import apply_end_strings
     from laconic_nemo.grpo.interfaces import SamplingParams
-    from laconic_nemo.nemo_entry import apply_end_strings
 
     nemo_tok, _ = _nemo_tokenizer(tmp_path)
     eos, M = nemo_tok.eos_id, 4
@@ -545,7 +545,7 @@ def test_resume_path_is_the_folder_nemo_wrote(gloo_world, cpu_cuda_shims, monkey
     directory (``nlp_overrides.py:563-564``). The resume path must be that folder."""
     from nemo.utils.model_utils import ckpt_to_dir
 
-    from laconic_nemo.nemo_entry import nemo_checkpoint_dir
+    from laconic_nemo.app.nemo_entry import nemo_checkpoint_dir
 
     actor, strategy, weights = _nemo_checkpoint_stack(monkeypatch)
     folder = tmp_path / "nemo" / "step_000004"
@@ -597,7 +597,7 @@ def test_prepare_converts_a_tokenizer_json_only_folder(tmp_path, monkeypatch):
     import runpy
     import sys
 
-    import laconic_nemo.nemo_entry as ne
+    import laconic_nemo.app.nemo_entry as ne
     from tests.hf_fixtures import save_tiny_qwen2
 
     hf = Path(save_tiny_qwen2(tmp_path / "hf"))

@@ -116,7 +116,7 @@ def test_data_parse_errors_name_file_and_line(capsys, tmp_path):
 
 
 def test_prompt_longer_than_the_context_is_named_before_training(tmp_path):
-    from laconic_nemo.grpo.train_cli import build_task
+    from laconic_nemo.app.task import build_task
     from tests.hf_fixtures import save_tiny_qwen2
 
     model = save_tiny_qwen2(tmp_path / "qwen")

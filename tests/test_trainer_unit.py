@@ -87,9 +87,43 @@ def test_count_eos_reaches_the_shaper_and_the_dual_step():
 def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
     """Two configs whose warm-ups differ (micro-batch order) never share a cached policy; a change that does
     not touch the warm-up (the budget) does."""
-    from laconic_nemo.grpo.train_cli import _warmup_cache_dir
+    from laconic_nemo.app.warmup import warmup_cache_dir as _warmup_cache_dir
 
     base = [f"warmup.cache_dir={tmp_path}"]
     plain = _warmup_cache_dir(load_config(TINY, base))
     assert _warmup_cache_dir(load_config(TINY, [*base, "grpo.sort_by_length=true"])) != plain
     assert _warmup_cache_dir(load_config(TINY, [*base, "laconic.budget=25"])) == plain
+
+
+def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp_path):
+    """The NeMo-Aligner actor's checkpoint hook: its sharded checkpoint of step s (with the step and the shaper
+    state in the sidecar) is written before step_s exists, the step folder's model shard refers to it, and it is
+    removed when checkpoint.keep_last prunes step_s."""
+    import torch
+
+    from laconic_nemo.actors.nemo_aligner import NemoCheckpointHook
+
+    seen = []
+
+    class Actor(SimpleNamespace):
+        def save_sharded_checkpoint(self, folder, laconic_state):
+            seen.append((Path(folder).name, laconic_state, (tmp_path / "checkpoints" / Path(folder).name).exists()))
+            Path(folder).mkdir(parents=True)
+            self.last = str(folder)
+
+        def state_dict_for_checkpoint(self):
+            return {"nemo_checkpoint": self.last}
+
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "checkpoint.keep_last=2"])
+    actor = Actor(dp_rank=0, dp_size=1, dp_group=None)
+    trainer = GRPOTrainer(cfg, actor, encode=list, decode=str, prompts=[("P", "1")] * 50, reward_fn=None, eos_id=1,
+                          checkpoint_hook=NemoCheckpointHook(actor))
+    for step in (1, 2, 3):
+        trainer.save_checkpoint(step)
+    lam = trainer.shaper.state_dict()
+    assert seen == [(f"step_{s:06d}", {"step": s, "shaper": lam}, False) for s in (1, 2, 3)]
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in (root / "nemo").iterdir()) == ["step_000002", "step_000003"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
+    ref = torch.load(root / "step_000003" / "model_tp00_pp00.pt", weights_only=False)
+    assert ref["nemo_checkpoint"] == str(root / "nemo" / "step_000003")

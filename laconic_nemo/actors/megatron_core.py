@@ -37,7 +37,7 @@ from laconic_nemo.kernels import (
     resolve_attention,
     with_core_attention,
 )
-from laconic_nemo.megatron_env import ParallelInfo, init_distributed
+from laconic_nemo.megatron_env import ParallelInfo, parallel_info
 from laconic_nemo.rollout import megatron_sampler
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -178,16 +178,16 @@ class MegatronCoreActor:
     def from_config(cls, cfg: Any, model_provider: ModelProvider | None = None) -> "MegatronCoreActor":
         """Build from the OmegaConf of ``recipes/base.yaml`` (sections model, parallel, optim, grpo, run.seed).
 
-        Initialises torch.distributed / megatron parallel state (torchrun env vars or a single process).
+        torch.distributed and megatron's parallel state must be initialised with the recipe's TP x PP (the entry
+        point calls :func:`laconic_nemo.megatron_env.init_distributed`); the actor does not initialise them.
         model_provider: optional ``(pre_process, post_process) -> GPTModel`` (e.g. an architecture loaded
         from a Hugging Face checkpoint); the default builds the synthetic GPT of ``cfg.model``.
         ``cfg.model.vocab_size`` must be set either way (the real vocabulary; padding is internal).
         """
         model_cfg, par, optim, grpo, rollout = cfg.model, cfg.parallel, cfg.optim, cfg.grpo, cfg.rollout
-        seed = int(cfg.run.seed)
         tp = int(par.tensor_model_parallel_size)
         pp = int(par.pipeline_model_parallel_size)
-        info = init_distributed(tp, pp, backend=str(par.backend), seed=seed)
+        info = parallel_info(tp, pp)
         on_gpu = info.device.type == "cuda"
         attention = resolve_attention(str(model_cfg.attention), on_gpu)
         hf_path = None
@@ -365,6 +365,20 @@ class MegatronCoreActor:
             micro.append(_cut(padded.select(idx), int(ends[idx].max())))
         return micro, order
 
+    def _schedule(self, forward_step: Callable, micro_batches: list, seq_length: int, micro_batch_size: int,
+                  forward_only: bool) -> list:
+        """megatron's forward(-backward) schedule (1F1B with PP > 1) of ``forward_step`` over ``micro_batches``
+        (each ``[micro_batch_size, <= seq_length]``); returns the loss functions' metric dicts (last stage)."""
+        return self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+
     @contextlib.contextmanager
     def _eval_mode(self):
         """Modules in eval mode for a pass without backward: megatron skips activation recompute (which
@@ -512,15 +526,7 @@ class MegatronCoreActor:
             return out, loss_func
 
         with self._eval_mode():
-            store = self._forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter(chunks),
-                model=self.model,
-                num_microbatches=len(chunks),
-                seq_length=T,
-                micro_batch_size=mbs,
-                forward_only=True,
-            )
+            store = self._schedule(forward_step, chunks, T, mbs, forward_only=True)
         if self.is_last_stage:
             result = torch.zeros(len(rows), T - 1, dtype=torch.float32, device=self.device)
             for d, r in zip(store, rows.split(mbs)):
@@ -563,15 +569,7 @@ class MegatronCoreActor:
 
             return out, loss_func
 
-        store = self._forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=self.model,
-            num_microbatches=len(micro),
-            seq_length=T,
-            micro_batch_size=mbs,
-            forward_only=False,
-        )
+        store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
         lr = self._lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -662,15 +660,7 @@ class MegatronCoreActor:
 
                 return out, loss_func
 
-            self._forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter([None]),
-                model=self.model,
-                num_microbatches=1,
-                seq_length=tok.shape[1],
-                micro_batch_size=tok.shape[0],
-                forward_only=True,
-            )
+            self._schedule(forward_step, [None], tok.shape[1], tok.shape[0], forward_only=True)
             params.sequence_len_offset += tok.shape[1]
             if self.is_last_stage and self.tp_rank == 0:
                 return box[0] if on_device else box[0].cpu()

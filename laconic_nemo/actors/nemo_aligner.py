@@ -483,3 +483,21 @@ class NemoAlignerActor:
         if self.restored_from is None or Path(self.restored_from).resolve() != Path(wanted).resolve():
             raise RuntimeError(f"trainer checkpoint refers to {wanted} but the model was restored from "
                                f"{self.restored_from}; start through laconic_nemo.nemo_entry")
+
+
+class NemoCheckpointHook:
+    """The NeMo-Aligner actor's distributed checkpoint beside the trainer's step folders
+    (:class:`laconic_nemo.grpo.checkpoint.CheckpointHook`): ``<root>/nemo/step_XXXXXX``, written (collective)
+    before the step folder that refers to it, removed when that step folder is pruned."""
+
+    def __init__(self, actor: NemoAlignerActor):
+        self.actor = actor
+
+    def save(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
+        self.actor.save_sharded_checkpoint(Path(root) / "nemo" / f"step_{step:06d}",
+                                           {"step": step, "shaper": trainer_state["shaper"]})
+
+    def prune(self, root: Path, kept: set[str]) -> None:
+        for d in (Path(root) / "nemo").glob("step_*"):
+            if d.name not in kept:
+                shutil.rmtree(d, ignore_errors=True)

@@ -137,12 +137,12 @@ def run_config(path: str | Path):
 def warmup_policy_dir(cfg, world_size: int, cache_root: str | Path | None = None) -> Path:
     """The warm-up cache folder the trainer wrote for run config ``cfg`` trained by ``world_size`` processes:
     ``<cache_root or warmup.cache_dir>/policy_<key digest>`` (the trainer's own key function)."""
-    from laconic_nemo.grpo import train_cli  # lazily: the trainer's entry point, heavy and not needed elsewhere
+    from laconic_nemo.app.warmup import warmup_cache_dir  # lazily: the trainer's entry point, not needed elsewhere
 
     before = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(int(world_size))  # the key function reads the launch's world size from here
     try:
-        name = train_cli._warmup_cache_dir(cfg).name
+        name = warmup_cache_dir(cfg).name
     finally:
         if before is None:
             del os.environ["WORLD_SIZE"]

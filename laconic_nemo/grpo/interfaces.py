@@ -117,10 +117,25 @@ LossFn = Callable[[torch.Tensor, TrainBatch], "tuple[torch.Tensor, dict[str, flo
 
 @runtime_checkable
 class PolicyActor(Protocol):
-    """A (possibly TP/PP/DP-sharded) policy. Every method is called on every rank (SPMD)."""
+    """A (possibly TP/PP/DP-sharded) policy: exactly what the trainer (``laconic_nemo.grpo.trainer``, with
+    ``grpo.checkpoint``) uses. Every method is called on every rank (SPMD).
+
+    dp_rank, dp_size, dp_group: this rank's data-parallel coordinate and group (None without torch.distributed);
+        the trainer sums token counts, lengths and metrics over ``dp_group``.
+    tp_rank, pp_rank: this rank's tensor / pipeline coordinate (names the checkpoint shard
+        ``model_tpXX_ppYY.pt``; stand-ins without model parallelism may omit them: 0).
+    model_parallel_group: the TP x PP group holding the same data (the reward is graded once there and
+        broadcast; stand-ins may omit it: None).
+
+    The supervised warm-up needs more (:class:`laconic_nemo.app.warmup.WarmupActor`).
+    """
 
     dp_rank: int
     dp_size: int
+    dp_group: Any
+    tp_rank: int
+    pp_rank: int
+    model_parallel_group: Any
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample one response per prompt (this DP rank's prompts). Returns CPU tensors."""
@@ -143,24 +158,7 @@ class PolicyActor(Protocol):
         ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        ...
-
-    def model_state(self) -> dict[str, Any]:
-        """This rank's model weights only (a warmed-up or initial policy)."""
-        ...
-
-    def load_model_state(self, state: dict[str, Any]) -> None:
-        ...
-
-    def reset_optimizer(self, lr: float) -> None:
-        """Fresh optimiser state and scheduler at learning rate ``lr`` (e.g. between warm-up and RL)."""
-        ...
-
-    def set_learning_rate(self, lr: float) -> None:
-        ...
-
-    def snapshot_reference(self) -> None:
-        """Make the current weights the reference policy pi_ref of the KL term."""
+        """Restore what :meth:`state_dict_for_checkpoint` returned (same layout)."""
         ...
 
 

@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 # Keys that may change between a checkpoint and its resumption without changing what is trained:
@@ -140,3 +142,27 @@ def check_resume_config(ckpt: str | Path, saved: dict, now: dict, allow: list[st
 
 def _show(v: Any) -> str:
     return "(absent)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) else json.dumps(v)
+
+
+def resume_source(cfg: DictConfig) -> Path | None:
+    """The checkpoint this run resumes from (None: a fresh start); ConfigError when that is not possible."""
+    from laconic_nemo.config import ConfigError
+
+    out = Path(str(cfg.run.output_dir))
+    mode = str(cfg.checkpoint.resume)
+    if mode == "never":
+        used = [p for p in (out / "metrics.jsonl",) if p.is_file() and p.stat().st_size > 0]
+        used += complete_checkpoints(out / "checkpoints")
+        if used:
+            raise ConfigError(
+                f"checkpoint.resume = 'never' but run.output_dir = {str(out)!r} already holds a run "
+                f"({', '.join(p.name for p in used[:3])}): a fresh run there would mix the two. Choose another "
+                "run.output_dir, move the old run aside, or resume it with checkpoint.resume=auto")
+        return None
+    if mode == "auto":
+        return find_checkpoint(out / "checkpoints")
+    p = Path(mode)
+    if not (p / "trainer_state.json").is_file() or p.name.endswith(".tmp"):
+        raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: allowed auto, never or a complete checkpoint "
+                          "folder (step_NNNNNN holding trainer_state.json)")
+    return p

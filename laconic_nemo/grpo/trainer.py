@@ -15,21 +15,15 @@ One step (every rank runs the same code, SPMD):
    computes the same Python float from the same integers, so lambda agrees bit for bit;
 8. metrics (one progress line, one JSON object per step in ``metrics.jsonl``), then the checkpoint.
 
-Checkpoints (``<output_dir>/checkpoints/step_XXXXXX``) hold the model + optimiser shard of each
-(TP, PP) coordinate (written by DP rank 0), every rank's RNG state, and ``trainer_state.json``
-(step, shaper / lambda-controller state, config). They are written into a ``.tmp`` folder and
-renamed once complete, and ``latest`` is replaced atomically, so a crash never leaves a
-half-written checkpoint that resume would pick. SIGUSR1 / SIGTERM make the loop checkpoint at the
-end of the current step and stop (the launch scripts requeue the job, which resumes).
+Checkpoint files are :mod:`laconic_nemo.grpo.checkpoint`'s, metric files :mod:`laconic_nemo.grpo.metrics`'s.
+SIGUSR1 / SIGTERM make the loop checkpoint at the end of the current step and stop (the launch scripts
+requeue the job, which resumes).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
-import random
-import shutil
 import signal
 import sys
 import time
@@ -46,10 +40,19 @@ from omegaconf import DictConfig, OmegaConf
 from laconic_nemo.config import check_layout
 from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.faults import armed, fault_point, fire, heartbeat
+from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
-from laconic_nemo.grpo.interfaces import GenerationOutput, PolicyActor, SamplingParams, TrainBatch, response_mask
+from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, find_resume_checkpoint
+from laconic_nemo.grpo.interfaces import (
+    GenerationOutput,
+    LossFn,
+    PolicyActor,
+    SamplingParams,
+    TrainBatch,
+    response_mask,
+)
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
+from laconic_nemo.grpo.metrics import MetricsWriter
 
 # (responses, reference answers) -> (scores in [0, 1], metrics)
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
@@ -70,6 +73,24 @@ def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torc
             t = t.cuda()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu()
+
+
+@dataclass
+class Rollout:
+    """One step's rollout on this DP rank (N = prompts of the rank x G).
+
+    gen: the generated batch (tokens [N, T], lengths L [N], truncation [N]).
+    texts: the N decoded responses.
+    task_reward: FloatTensor [N] the task reward r in [0, 1].
+    reward_metrics: the reward function's metrics (means over the N responses).
+    targets: DoubleTensor [N] the L1 baselines' target lengths n_gold, or None.
+    """
+
+    gen: GenerationOutput
+    texts: list[str]
+    task_reward: torch.Tensor
+    reward_metrics: dict[str, Any]
+    targets: torch.Tensor | None
 
 
 @dataclass
@@ -96,6 +117,8 @@ class GRPOTrainer:
     encode / decode: tokenizer functions (text -> ids, ids -> text).
     prompts: the dataset, a list of (prompt text, reference answer).
     reward_fn: task reward, see :data:`RewardFn`.
+    eos_id: the token that ends a response.
+    checkpoint_hook: the actor's own checkpoint files (:class:`~laconic_nemo.grpo.checkpoint.CheckpointHook`).
     """
 
     def __init__(
@@ -107,6 +130,7 @@ class GRPOTrainer:
         prompts: Sequence[tuple[str, Any]],
         reward_fn: RewardFn,
         eos_id: int,
+        checkpoint_hook: CheckpointHook | None = None,
     ):
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
@@ -124,10 +148,12 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
                                      bool(cfg.data.shuffle))
         self.out = Path(cfg.run.output_dir)
-        self.ckpt_root = self.out / "checkpoints"
         self.rank = dist.get_rank() if _dist_ready() else 0
         self.world = dist.get_world_size() if _dist_ready() else 1
         self.is_logger = self.rank == 0
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", int(cfg.checkpoint.keep_last), self.rank,
+                                             checkpoint_hook)
+        self.metrics = MetricsWriter(self.out, self.rank, actor.dp_rank, self.num_steps, int(cfg.run.log_every))
         self.step = 0
         self._stop_signal: int | None = None
         self.history: list[dict] = []
@@ -153,7 +179,8 @@ class GRPOTrainer:
         return bool(flag.item() > 0)
 
     # ------------------------------------------------------------------ one step
-    def _rollout(self, step: int, timer: Timer):
+    def _rollout(self, step: int, timer: Timer) -> Rollout:
+        """Generate this rank's G responses per prompt of ``step`` and grade them."""
         indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
         prompt_texts, targets = self._prompt_texts(step, indices)
         items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
@@ -175,7 +202,7 @@ class GRPOTrainer:
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
         if targets is not None:
             targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(self.G)
-        return gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets
+        return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets)
 
     def _prompt_texts(self, step: int, indices: list[int]):
         """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
@@ -204,7 +231,8 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, Any]:
         timer = Timer({}, step=step + 1)
         t_start = time.perf_counter()
-        gen, texts, task_reward, reward_metrics, targets = self._rollout(step, timer)
+        rollout = self._rollout(step, timer)
+        gen, task_reward, targets = rollout.gen, rollout.task_reward, rollout.targets
 
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
@@ -226,8 +254,12 @@ class GRPOTrainer:
             if float(self.cfg.grpo.kl_beta) > 0:
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
+        # the loss of this step: the recipe's settings at the rollout temperature; each optimiser minibatch
+        # binds its own global token / sequence counts
+        make_loss = functools.partial(make_grpo_loss_fn, **loss_settings(self.cfg),
+                                      temperature=float(self.cfg.rollout.temperature))
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch)
+            update_metrics = self._policy_update(batch, make_loss)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -236,7 +268,7 @@ class GRPOTrainer:
             lam_used = self.lam
             lam_next = next_lambda(self.dual, lam_used, global_mean_length)
 
-        metrics = self._global_metrics(shaper_metrics, reward_metrics, update_metrics, gen, task_reward)
+        metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
             step=step + 1,
             mean_response_length=global_mean_length,
@@ -247,10 +279,12 @@ class GRPOTrainer:
         for phase in PHASES:
             metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
         if self.is_logger:
-            metrics["sample_response"] = texts[0][:200]
+            metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
 
-    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+    def _policy_update(self, batch: TrainBatch, make_loss: Callable[..., LossFn]) -> dict[str, float]:
+        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses; ``make_loss(
+        global_num_tokens=, global_num_seqs=)`` gives the loss of a minibatch. Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -258,12 +292,7 @@ class GRPOTrainer:
         for start in range(0, n_local, self.local_minibatch):
             mb = batch.select(slice(start, start + self.local_minibatch))
             counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
-            loss_fn = make_grpo_loss_fn(
-                **loss_settings(self.cfg),
-                global_num_tokens=max(float(counts[0]), 1.0),
-                global_num_seqs=float(counts[1]),
-                temperature=float(self.cfg.rollout.temperature),
-            )
+            loss_fn = make_loss(global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]))
             out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -285,69 +314,22 @@ class GRPOTrainer:
         return out
 
     # ------------------------------------------------------------------ checkpoint / resume
-    def _ckpt_dir(self, step: int) -> Path:
-        return self.ckpt_root / f"step_{step:06d}"
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "shaper": shaper_state(self.shaper.name, self.dual),
+            "world_size": self.world,
+            "dp_size": self.actor.dp_size,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
-        heartbeat("checkpoint", step)
-        fault_point("checkpoint", step)
-        final = self._ckpt_dir(step)
-        tmp = final.with_name(final.name + ".tmp")
-        if self.is_logger:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        tp = getattr(self.actor, "tp_rank", 0)
-        pp = getattr(self.actor, "pp_rank", 0)
-        if self.actor.dp_rank == 0:
-            torch.save(self.actor.state_dict_for_checkpoint(), tmp / f"model_tp{tp:02d}_pp{pp:02d}.pt")
-        torch.save(
-            {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            },
-            tmp / f"rng_rank{self.rank:05d}.pt",
-        )
-        if self.is_logger:
-            state = {
-                "step": step,
-                "shaper": shaper_state(self.shaper.name, self.dual),
-                "world_size": self.world,
-                "dp_size": self.actor.dp_size,
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        fault_point("checkpoint_written", step)
-        self._barrier()
-        if self.is_logger:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            latest_tmp = self.ckpt_root / "latest.tmp"
-            latest_tmp.write_text(final.name)
-            os.replace(latest_tmp, self.ckpt_root / "latest")
-            self._prune_checkpoints()
-        self._barrier()
-        return final
-
-    def _prune_checkpoints(self):
-        done = sorted(p for p in self.ckpt_root.glob("step_*") if not p.name.endswith(".tmp"))
-        for old in done[: -int(self.cfg.checkpoint.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
+        return self.checkpoints.save(step, self.actor, lambda: self._trainer_state(step))
 
     def find_resume_checkpoint(self) -> Path | None:
         """The complete checkpoint to resume (:mod:`laconic_nemo.grpo.resume`); never a ``.tmp`` folder."""
-        from laconic_nemo.config import ConfigError
-        from laconic_nemo.preflight import resume_source
-
-        try:
-            return resume_source(self.cfg)
-        except ConfigError as exc:
-            raise FileNotFoundError(str(exc)) from exc
+        return find_resume_checkpoint(self.cfg)
 
     def load_checkpoint(self, path: Path) -> int:
         from laconic_nemo.config import base_config_path
@@ -364,67 +346,13 @@ class GRPOTrainer:
                                       OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
         # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
         strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
-        tp = getattr(self.actor, "tp_rank", 0)
-        pp = getattr(self.actor, "pp_rank", 0)
-        self.actor.load_checkpoint_state(torch.load(path / f"model_tp{tp:02d}_pp{pp:02d}.pt", weights_only=False))
-        rng = torch.load(path / f"rng_rank{self.rank:05d}.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        self.checkpoints.load(path, self.actor)
         load_shaper_state(self.shaper.name, self.dual, state["shaper"], strict=strict)
         return int(state["step"])
 
     def _barrier(self):
         if _dist_ready():
             dist.barrier()
-
-    # ------------------------------------------------------------------ logging
-    def _log(self, m: dict[str, Any]):
-        if not self.is_logger:
-            return
-        line = json.dumps(m) + "\n"
-        with (self.out / "metrics.jsonl").open("a") as f:
-            action = armed("metrics_torn", m["step"])
-            if action is not None:  # fault injection: a row cut short by a crash
-                f.write(line[: len(line) // 2])
-                f.flush()
-                fire(action)
-            f.write(line)
-        if m["step"] % int(self.cfg.run.log_every) == 0 or m["step"] == self.num_steps:
-            print(
-                f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
-                f"mean_len {m['mean_response_length']:7.1f} (B {m['budget']:.0f}) | "
-                f"task_reward {m['task_reward']:.3f} | over_budget {m['frac_over_budget']:.2f} | "
-                f"{m['step_seconds']:.2f}s",
-                flush=True,
-            )
-
-    def _rank_trace(self, m: dict[str, Any]):
-        folder = self.out / "rank_trace"
-        folder.mkdir(parents=True, exist_ok=True)
-        row = {"step": m["step"], "rank": self.rank, "dp_rank": self.actor.dp_rank,
-               "lambda": float(m["lambda"]).hex(), "lambda_next": float(m["lambda_next"]).hex(),
-               "mean_response_length": float(m["mean_response_length"]).hex()}
-        with (folder / f"rank{self.rank:05d}.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def _truncate_metrics(self, upto_step: int):
-        """Keep the rows of the steps the resumed checkpoint holds; drop a torn last row (a crash while it
-        was written); refuse any other corrupt line, naming the file and the line."""
-        from laconic_nemo.grpo.resume import read_metrics
-
-        path = self.out / "metrics.jsonl"
-        if not self.is_logger or not path.is_file():
-            return
-        rows, torn = read_metrics(path)
-        if torn:
-            print(f"{path}: dropped a torn last line (the run died while writing it)", flush=True)
-        keep = [json.dumps(r) for r in rows if r["step"] <= upto_step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ main loop
     def fit(self) -> str:
@@ -438,7 +366,7 @@ class GRPOTrainer:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:
                 print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
-        self._truncate_metrics(self.step)
+        self.metrics.truncate(self.step)
         self._install_signal_handlers()
         every = int(self.cfg.checkpoint.every_n_steps)
         last_checkpoint_seconds = 0.0
@@ -451,9 +379,9 @@ class GRPOTrainer:
             # time/checkpoint is the checkpoint written after the previous step.
             m["time/checkpoint"] = last_checkpoint_seconds
             self.history.append(m)
-            self._log(m)
+            self.metrics.write(m)
             if self.cfg.logging.rank_trace:
-                self._rank_trace(m)
+                self.metrics.rank_trace(m)
             t0 = time.perf_counter()
             if stop or self.step == self.num_steps or (every and self.step % every == 0):
                 self.save_checkpoint(self.step)
@@ -466,19 +394,7 @@ class GRPOTrainer:
                     print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
                           file=sys.stderr, flush=True)
                 return "preempted"
-        if self.cfg.checkpoint.get("export_hf", False):
-            self._export_hf()
         return "finished"
-
-    def _export_hf(self) -> None:
-        """``checkpoint.export_hf``: the final checkpoint as a Hugging Face folder ``<output_dir>/hf`` (rank 0)."""
-        heartbeat("export_hf", self.step)
-        if self.is_logger:
-            from laconic_nemo.export import export_hf
-
-            ckpt = export_hf(self.out, self.out / "hf")
-            print(f"exported {ckpt} as a Hugging Face model to {self.out / 'hf'}", flush=True)
-        self._barrier()
 
 
 def summarize(history: list[dict]) -> dict[str, float]:

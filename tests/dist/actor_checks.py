@@ -96,11 +96,13 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
     from laconic_nemo.rollout import megatron_sampler
 
     tp, pp, kl_beta = LAYOUTS[layout]
     cfg = make_config(tp, pp, kl_beta)
+    init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
+                     backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)
     res: dict = {"layout": layout, "dp_size": actor.dp_size}
     w32 = R.init_full_weights(LAYERS, HIDDEN, FFN, VOCAB, seed=0)

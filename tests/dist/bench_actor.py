@@ -19,11 +19,14 @@ def run(rank: int, world: int, port: int) -> None:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
+    from laconic_nemo.megatron_env import init_distributed
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "base.yaml"))
     cfg.model.update(vocab_size=40, num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256)
     cfg.parallel.update(tensor_model_parallel_size=world, backend="gloo")
     cfg.grpo.micro_batch_size = 16
+    init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
+                     backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)
     prompts = [[1 + (i * 7 + j) % 38 for j in range(12)] for i in range(64)]
     sp = SamplingParams(max_new_tokens=128, eos_id=0, seed=1)  # random weights: EOS rarely stops early

@@ -64,9 +64,11 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(hf_path)
+    init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
+                     backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)
     hf64 = transformers.AutoModelForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float64,
                                                              attn_implementation="eager")

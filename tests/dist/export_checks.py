@@ -40,9 +40,11 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(*LAYOUTS[layout], model_dir, run_dir)
+    init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
+                     backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, actor.vocab_size, (N, T), generator=g)

@@ -1,6 +1,6 @@
 """A synthetic-task run at TP=2 (2 processes over gloo) for tests/test_eval_synthetic.py.
 
-The trainer's own warm-up (``train_cli._warmup``, 3 supervised steps) writes the warm-up cache, one GRPO step
+The trainer's own warm-up (``app.warmup.warm_up``, 3 supervised steps) writes the warm-up cache, one GRPO step
 with a large learning rate moves the policy away from it, and GRPOTrainer.save_checkpoint writes
 ``<run>/checkpoints/step_000001``. Rank 0 saves ``<run>/policy_logprobs.pt``: token ids [N, T] and the log-probs
 [N, T-1] of the warmed-up and of the trained policy on them.
@@ -34,7 +34,8 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
     from omegaconf import OmegaConf
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
-    from laconic_nemo.grpo import train_cli
+    from laconic_nemo.app.task import build_task
+    from laconic_nemo.app.warmup import warm_up
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
@@ -42,10 +43,12 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
 
     cfg = make_config(run_dir)
     info = init_distributed(2, 1, backend="gloo", seed=int(cfg.run.seed))
-    encode, decode, eos_id, pad_id, vocab, prompts, reward_fn, warmup_example = train_cli.build_task(cfg)
+    task = build_task(cfg)
+    encode, decode, eos_id, pad_id, vocab = task.encode, task.decode, task.eos_id, task.pad_id, task.vocab_size
+    prompts, reward_fn, warmup_example = task.prompts, task.reward_fn, task.warmup_example
     OmegaConf.update(cfg, "model.vocab_size", vocab)
     actor = MegatronCoreActor.from_config(cfg)
-    assert train_cli._warmup(cfg, actor, warmup_example, pad_id, info, log=lambda s: None)
+    assert warm_up(cfg, actor, warmup_example, pad_id, info.rank, log=lambda s: None)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(2, vocab, (N, T), generator=g)
     mask = torch.ones(N, T - 1)

@@ -8,16 +8,12 @@ set) it trains directly. The recipe is loaded and validated before any process, 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -181,7 +177,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
                HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.grpo.train_cli", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env))
     delivered = [0] * nprocs
     failed_at, first_code, reported, stopped_by_us = None, None, set(), set()
     started = time.time()
@@ -234,83 +230,15 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     return 3 if 3 in codes else 0
 
 
-def _warmup_cache_dir(cfg: DictConfig) -> Path:
-    key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
-    key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
-    key["seed"] = int(cfg.run.seed)
-    key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
-    # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
-    key["sort_by_length"] = bool(cfg.grpo.sort_by_length)
-    key["warmup"].pop("cache_dir", None)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
-    return root / f"policy_{digest}"
-
-
-def build_task(cfg: DictConfig):
-    """(encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example or None) for the
-    recipe; vocab_size is the synthetic tokenizer's (the HF path reads it from the checkpoint: None)."""
-    if cfg.data.kind == "synthetic":
-        from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
-        from laconic_nemo.rewards import extract_answer
-
-        tok = CharTokenizer()
-        task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
-        problems = task.problems(int(cfg.data.num_prompts), seed=int(cfg.run.seed))
-        prompts = [(p.prompt, p.answer) for p in problems]
-
-        def reward_fn(texts, answers):
-            extracted = [extract_answer(t) for t in texts]
-            scores = [1.0 if e is not None and e.strip() == a else 0.0 for e, a in zip(extracted, answers)]
-            no_answer = sum(e is None for e in extracted)
-            return scores, {"accuracy": sum(scores) / len(scores), "no_answer": no_answer / len(scores)}
-
-        def warmup_example(rng: random.Random):
-            prompt, response = task.warmup_example(rng)
-            return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
-
-        return tok.encode, tok.decode, tok.eos_id, tok.pad_id, tok.vocab_size, prompts, reward_fn, warmup_example
-
-    from laconic_nemo.data.datasets import load_math_prompts
-    from laconic_nemo.rewards.format import build_reward_fn
-
-    if cfg.model.source != "hf":
-        raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
-    from laconic_nemo.launch_plan import _hf_config
-
-    hf = _hf_config(str(cfg.model.path)) or {}
-    context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
-    room = context - int(cfg.rollout.max_new_tokens)
-    for item in items:
-        n = len(tok.encode(item.prompt, add_special_tokens=False))
-        if n > room:
-            raise ConfigError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
-                              f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} at most {room} fit the "
-                              f"context of {context} tokens")
-    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
-
-    def encode(text):
-        return tok.encode(text, add_special_tokens=False)
-
-    def decode(ids):
-        return tok.decode(ids, skip_special_tokens=True)
-
-    return encode, decode, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, None, \
-        [(i.prompt, i.answer) for i in items], reward_fn, None
-
-
 def train(cfg: DictConfig) -> int:
+    """The megatron-core entry point (every rank): torch.distributed, the output-dir lock, the task, the actor
+    (and its vLLM engine), then :func:`laconic_nemo.app.run.run`."""
     import torch
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.app.run import run as run_grpo
+    from laconic_nemo.app.task import build_task
     from laconic_nemo.faults import heartbeat
-    from laconic_nemo.grpo.plots import plot_training_curves
-    from laconic_nemo.grpo.resume import read_metrics
-    from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
     from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
     torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
@@ -333,9 +261,9 @@ def train(cfg: DictConfig) -> int:
             if is_logger:
                 print(f"laconic-nemo train: {exc}", file=sys.stderr, flush=True)
             return 2
-        encode, decode, eos_id, pad_id, vocab_size, prompts, reward_fn, warmup_example = build_task(cfg)
-        if vocab_size is not None:
-            OmegaConf.update(cfg, "model.vocab_size", vocab_size)
+        task = build_task(cfg)
+        if task.vocab_size is not None:
+            OmegaConf.update(cfg, "model.vocab_size", task.vocab_size)
         heartbeat("build model")
         actor = MegatronCoreActor.from_config(cfg)
         heartbeat("build trainer")
@@ -347,123 +275,17 @@ def train(cfg: DictConfig) -> int:
 
             actor.attach_rollout_engine(VLLMRolloutEngine.from_recipe(
                 OmegaConf.to_container(cfg, resolve=True), str(cfg.model.path),
-                arch_from_hf_config(str(cfg.model.path)), pad_id=pad_id))
+                arch_from_hf_config(str(cfg.model.path)), pad_id=task.pad_id))
         elif cfg.rollout.engine != "megatron":
             raise ConfigError(f"rollout.engine = {cfg.rollout.engine}: the megatron-core actor supports megatron "
                               "or vllm (nemo generation runs in the NeMo-Aligner entry point)")
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
-            f"({info.device}); prompts {len(prompts)}; output {cfg.run.output_dir}")
-        trainer = GRPOTrainer(cfg, actor, encode, decode, prompts, reward_fn, eos_id)
-        trainer._install_signal_handlers()
-        if _EARLY_SIGNAL and trainer._stop_signal is None:
-            trainer._stop_signal = _EARLY_SIGNAL[0]
-        if trainer._should_stop():
-            log("stopped on a signal during start-up; nothing to save yet")
-            return 3
-        if int(cfg.warmup.num_steps) > 0 and trainer.find_resume_checkpoint() is None:
-            if not _warmup(cfg, actor, warmup_example, pad_id, info, log, trainer._should_stop):
-                log("stopped on a signal during the warm-up; its progress is saved and a rerun continues it")
-                return 3
-            if trainer._should_stop():
-                log("stopped on a signal after the warm-up; the warmed-up policy is cached")
-                return 3
-        heartbeat("resume")
-        status = trainer.fit()
-        heartbeat("finish")
-        if is_logger:
-            # the whole run, also the steps before a resume
-            rows, _ = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
-            if rows:
-                s = summarize(rows)
-                log("summary: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
-            if rows and cfg.logging.plot:
-                png = plot_training_curves(Path(cfg.run.output_dir) / "metrics.jsonl",
-                                           Path(cfg.run.output_dir) / "training_curves.png",
-                                           title=f"{cfg.run.name}: shaper {cfg.laconic.shaper}, B={cfg.laconic.budget}")
-                log(f"wrote {png}")
-        return 0 if status == "finished" else 3
+            f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
+        return run_grpo(cfg, actor, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
     finally:
         if lock is not None:
             lock.release()
         destroy_distributed()
-
-
-def _warmup(cfg, actor, warmup_example, pad_id, info, log, should_stop=None) -> bool:
-    """Warm up the policy (or load the cached result). Returns False when stopped by a signal: the steps
-    done so far (model, optimiser, step) are saved next to the cache and a rerun continues from them."""
-    import torch
-    import torch.distributed as dist
-
-    from laconic_nemo.grpo.warmup import supervised_warmup
-
-    if warmup_example is None:
-        raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
-    cache = _warmup_cache_dir(cfg)
-    shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
-    partial = cache.with_name(cache.name + ".partial")
-    total = int(cfg.warmup.num_steps)
-
-    def barrier():
-        if dist.is_initialized():
-            dist.barrier()
-
-    if (cache / "done").is_file():
-        actor.load_model_state(torch.load(shard, weights_only=False))
-        log(f"warm-up: loaded cached policy {cache}")
-    else:
-        actor.set_learning_rate(float(cfg.warmup.lr))
-        start = 0
-        if (partial / "progress.json").is_file():
-            start = int(json.loads((partial / "progress.json").read_text())["step"])
-            actor.load_checkpoint_state(torch.load(partial / shard.name, weights_only=False))
-            log(f"warm-up: continuing the interrupted warm-up at step {start + 1}/{total}")
-        else:
-            log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size}")
-        losses = supervised_warmup(actor, warmup_example, total, int(cfg.warmup.batch_size),
-                                   int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log,
-                                   start_step=start, should_stop=should_stop)
-        done_steps = start + len(losses)
-        if done_steps < total:  # stopped by a signal: save what is done
-            if info.rank == 0:
-                if partial.exists():
-                    shutil.rmtree(partial)
-                partial.mkdir(parents=True)
-            barrier()
-            if actor.dp_rank == 0:
-                torch.save(actor.state_dict_for_checkpoint(), partial / shard.name)
-            barrier()
-            if info.rank == 0:
-                tmp = partial / "progress.json.tmp"
-                tmp.write_text(json.dumps({"step": done_steps, "of": total}))
-                os.replace(tmp, partial / "progress.json")
-            barrier()
-            log(f"warm-up: saved {done_steps}/{total} steps in {partial}")
-            return False
-        # rank 0 names the temporary folder (unique per process) and tells the other ranks
-        tmp_list = [str(cache.with_name(f"{cache.name}.tmp{os.getpid()}"))]
-        if dist.is_initialized():
-            dist.broadcast_object_list(tmp_list, src=0)
-        tmp = Path(tmp_list[0])
-        if info.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-        barrier()
-        if actor.dp_rank == 0:
-            torch.save(actor.model_state(), tmp / shard.name)
-        barrier()
-        if info.rank == 0:
-            (tmp / "done").write_text("ok")
-            if cache.exists():  # another run with the same settings finished first: keep its copy
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                os.replace(tmp, cache)
-            shutil.rmtree(partial, ignore_errors=True)
-        barrier()
-        log(f"warm-up: cached policy in {cache}")
-    # RL starts from the warmed-up weights with a fresh optimiser at the RL learning rate; this
-    # policy is also the reference for the KL term.
-    actor.reset_optimizer(lr=float(cfg.optim.lr))
-    actor.snapshot_reference()
-    return True
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,336 @@
+"""In-container entry point (NGC NeMo container, one process per GPU under srun).
+
+    python -m laconic_nemo.nemo_entry RECIPE [key=value ...] [nemo.<key>=value ...]
+    python -m laconic_nemo.nemo_entry --prepare --hf-model HF_DIR RECIPE [key=value ...]
+
+The recipe (``laconic_nemo.config.load_config``: base.yaml schema, unknown keys rejected) is loaded
+and validated before anything else. Then:
+
+* ``model.source: nemo`` -> the NeMo-Aligner actor (:mod:`laconic_nemo.actors.nemo_aligner`), set
+  up exactly as NeMo-Aligner's ``train_gpt_reinforce_actor.py`` does (``load_and_override_model_config``
+  -> ``resolve_and_create_trainer`` -> ``exp_manager`` -> ``load_from_nemo`` -> ``init_peft`` ->
+  ``init_distributed`` -> ``init_using_ptl``), with the NeMo config derived from the recipe by
+  :func:`build_nemo_config` in NeMo-Aligner's ``gpt_reinforce_actor.yaml`` layout (``trainer``,
+  ``exp_manager``, ``pretrained_checkpoint``, ``model.reinforce`` ...). Overrides prefixed with
+  ``nemo.`` go to that config (e.g. ``nemo.model.reinforce.rollout_micro_batch_size=16``,
+  ``nemo.trainer.reinforce.trt_llm.enable=true``), the others to the recipe.
+* any other source -> the megatron-core trainer (``laconic_nemo.app.train_cli``).
+
+Both run the same :func:`laconic_nemo.app.run.run`. ``--prepare`` converts the HF
+checkpoint to the recipe's ``model.path`` with NeMo's ``convert_qwen2_hf_to_nemo.py`` when that file
+is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Math), run through
+:mod:`laconic_nemo.convert_qwen2` so that a folder with ``tokenizer.json`` only converts; Qwen3 has no
+converter in these NeMo pins and runs on the megatron-core actor with the HF bridge.
+
+End strings: NeMo's sampler gets ``"<|endoftext|>"`` (its alias for the EOS id) plus the chat end strings
+that are single tokens of the loaded tokenizer (:func:`laconic_nemo.tokenizer_checks.resolve_end_strings`);
+a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
+not a single token (NeMo would decode every row at every step to look for it).
+
+Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint
+(``launch/submit.sh`` requeues the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER
+from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
+
+END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(recipe overrides, NeMo-config overrides with the ``nemo.`` prefix removed)."""
+    recipe, nemo = [], []
+    for o in overrides:
+        (nemo.append(o[len("nemo."):]) if o.startswith("nemo.") else recipe.append(o))
+    return recipe, nemo
+
+
+def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = ()) -> DictConfig:
+    """The NeMo-Aligner (0.7.0 ``gpt_reinforce_actor.yaml`` layout) config for a recipe.
+
+    Only what the NeMo side needs: parallel layout, precision, optimiser, generation parameters and
+    batch sizes (the GRPO loop itself reads the recipe). Keys of the .nemo's own model config that
+    are not set here (architecture, tokenizer) come from the checkpoint.
+    """
+    g, o, r = cfg.grpo, cfg.optim, cfg.rollout
+    tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
+    world = int(nodes) * int(gpus_per_node)
+    dp = world // (tp * pp)
+    samples_per_rank = int(g.num_prompts_per_step) * int(g.group_size) // max(dp, 1)
+    trt_llm = {"enable": False, "reshard": False, "model_type": "llama", "unload_engine_train": False,
+               "max_input_len": 1024, "seed": int(cfg.run.seed)}
+    precision = {"bf16": "bf16", "fp16": 16, "fp32": 32}[str(cfg.model.precision)]
+    nemo = {
+        "trainer": {
+            "num_nodes": int(nodes), "devices": int(gpus_per_node), "accelerator": "gpu", "precision": precision,
+            "logger": False, "enable_checkpointing": False, "use_distributed_sampler": False, "max_time": None,
+            "max_epochs": 1, "max_steps": int(cfg.run.num_steps), "gradient_clip_val": float(o.grad_clip),
+            "reinforce": {"trt_llm": trt_llm},
+        },
+        "exp_manager": {
+            "explicit_log_dir": str(Path(cfg.run.output_dir) / "nemo_logs"), "exp_dir": None,
+            "name": str(cfg.run.name), "create_wandb_logger": False, "create_tensorboard_logger": True,
+            "create_checkpoint_callback": False, "resume_if_exists": False, "resume_ignore_no_checkpoint": True,
+        },
+        "pretrained_checkpoint": {"restore_from_path": str(cfg.model.path)},
+        "model": {
+            "mcore_gpt": True,
+            "micro_batch_size": int(g.micro_batch_size),
+            "global_batch_size": int(g.minibatch_size),
+            "megatron_amp_O2": str(cfg.model.precision) != "fp32",
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            # off: sequence parallelism scatters the sequence over TP and megatron asserts it divides
+            # (tensor_parallel/mappings.py); rollout widths are arbitrary
+            "sequence_parallel": False,
+            "seed": int(cfg.run.seed),
+            "precision": precision,
+            "dist_ckpt_format": "torch_dist",
+            "optim": {
+                "name": "distributed_fused_adam", "lr": float(o.lr), "weight_decay": float(o.weight_decay),
+                "betas": [float(o.adam_beta1), float(o.adam_beta2)], "eps": float(o.adam_eps),
+                "bucket_cap_mb": 200, "overlap_grad_sync": False, "contiguous_grad_buffer": True,
+                # constant after a linear warmup: cosine annealing down to min_lr = lr
+                "sched": {"name": "CosineAnnealing", "warmup_steps": int(o.warmup_steps), "constant_steps": 0,
+                          "min_lr": float(o.lr)},
+            },
+            "reinforce": {
+                "rollout_micro_batch_size": max(1, samples_per_rank),
+                "num_rollout_samples": int(g.num_prompts_per_step) * int(g.group_size),
+                "forward_micro_batch_size": int(g.micro_batch_size),
+                "val_rollout_micro_batch_size": max(1, samples_per_rank),
+                "num_val_samples": int(g.num_prompts_per_step) * int(g.group_size),
+                "offload_adam_states": True,
+                "sampling_params": {
+                    "use_greedy": False, "temperature": float(r.temperature), "top_k": 0, "top_p": float(r.top_p),
+                    "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False, "compute_logprob": False,
+                    # the EOS alias; the tokenizer's single-token chat end strings are added at start-up
+                    "end_strings": [END_OF_SEQ],
+                },
+                "length_params": {"max_length": int(r.max_new_tokens), "min_length": 1},
+                "trt_llm": trt_llm,
+            },
+            "peft": {"peft_scheme": "none", "restore_from_path": None},
+            "data": {"data_impl": "jsonl", "splits_string": None, "data_prefix": None, "skip_warmup": True,
+                     "num_workers": 0, "reset_position_ids": False, "reset_attention_mask": False,
+                     "eod_mask_loss": False, "index_mapping_dir": None},
+        },
+    }
+    out = OmegaConf.create(nemo)
+    if nemo_overrides:
+        out = OmegaConf.merge(out, OmegaConf.from_dotlist(list(nemo_overrides)))
+    if out.trainer.reinforce.trt_llm.enable:
+        out.model.reinforce.trt_llm = out.trainer.reinforce.trt_llm
+    return out
+
+
+def conversion_command(hf_model: str, output_path: str, precision: str = "bf16") -> list[str]:
+    """NeMo's Qwen2 converter through :mod:`laconic_nemo.convert_qwen2` (tokenizer.json-only folders)."""
+    return [sys.executable, "-m", "laconic_nemo.convert_qwen2", "--converter", QWEN2_CONVERTER,
+            "--input_name_or_path", str(hf_model), "--output_path", str(output_path), "--precision", precision]
+
+
+def nemo_checkpoint_dir(folder: str | Path) -> Path:
+    """Where the actor's NeMo checkpoint of a trainer step lives: ``NLPDDPStrategy.save_checkpoint`` was
+    given ``folder/model.ckpt`` and wrote the distributed checkpoint to ``ckpt_to_dir`` of it, the folder
+    ``folder/model``; ``NLPDDPStrategy.load_checkpoint`` needs that folder (it raises "Distributed
+    checkpoints should be a directory" for the ``.ckpt`` name)."""
+    from laconic_nemo.actors.nemo_aligner import NEMO_CKPT
+
+    return Path(folder) / NEMO_CKPT
+
+
+def end_strings_override(nemo_overrides: list[str]) -> bool:
+    """True when the NeMo overrides set the sampler's end strings explicitly."""
+    return any(o.split("=", 1)[0].strip() == END_STRINGS_KEY for o in nemo_overrides)
+
+
+def apply_end_strings(model, requested: list[str] | None) -> list[str]:
+    """Set the end strings of a loaded ``MegatronGPTReinforceActorModel`` (its ``_sampling_params``, read by
+    ``infer``, and ``cfg.reinforce.sampling_params``, read by ``verify_is_valid_and_clamp_range_``).
+
+    requested: None builds them from ``model.tokenizer``; a list is checked (EndStringError names a string
+    that is not a single token)."""
+    from omegaconf import open_dict
+
+    ends = resolve_end_strings(model.tokenizer.text_to_ids, requested)
+    model._sampling_params["end_strings"] = list(ends)
+    with open_dict(model.cfg):
+        model.cfg.reinforce.sampling_params.end_strings = list(ends)
+    return ends
+
+
+def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
+    """Convert ``hf_model`` to ``model.path`` if that .nemo is missing (written under a temporary name,
+    renamed when complete, so an interrupted conversion is redone)."""
+    if cfg.model.source != "nemo":
+        print(f"prepare: model.source = {cfg.model.source}: nothing to convert")
+        return 0
+    target = Path(str(cfg.model.path))
+    if target.exists():
+        print(f"prepare: {target} exists")
+        return 0
+    if not hf_model:
+        print(f"prepare: model.path {target} is missing and no --hf-model was given", file=sys.stderr)
+        return 2
+    if not Path(hf_model).exists():
+        print(f"prepare: --hf-model {hf_model} does not exist", file=sys.stderr)
+        return 2
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.stem + ".partial" + target.suffix)
+    cmd = conversion_command(hf_model, str(partial),
+                             "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision))
+    print("prepare: " + " ".join(cmd), flush=True)
+    rc = run(cmd)
+    if rc != 0:
+        print(f"prepare: conversion failed with exit code {rc}", file=sys.stderr)
+        return rc
+    os.replace(partial, target)
+    print(f"prepare: wrote {target}")
+    return 0
+
+
+def nemo_resume_path(cfg: DictConfig) -> str | None:
+    """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
+
+    Uses :func:`laconic_nemo.grpo.checkpoint.find_resume_checkpoint` (``checkpoint.resume`` auto / never /
+    path), so both actors pick checkpoints the same way."""
+    import torch
+
+    from laconic_nemo.actors.nemo_aligner import read_sidecar
+    from laconic_nemo.grpo.checkpoint import find_resume_checkpoint
+
+    found = find_resume_checkpoint(cfg)
+    if found is None:
+        return None
+    ref = torch.load(Path(found) / "model_tp00_pp00.pt", weights_only=False)
+    folder = ref.get("nemo_checkpoint") if isinstance(ref, dict) else None
+    if folder is None or read_sidecar(folder) is None:
+        raise FileNotFoundError(f"{found} does not refer to a complete NeMo checkpoint ({folder})")
+    return str(folder)
+
+
+def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
+    import torch
+    from nemo.utils.exp_manager import exp_manager
+
+    from laconic_nemo.actors.nemo_aligner import NemoAlignerActor, NemoCheckpointHook, actor_model_class
+    from laconic_nemo.app.run import run
+    from laconic_nemo.app.task import Task
+    from laconic_nemo.data.datasets import load_math_prompts
+    from laconic_nemo.rewards.format import build_reward_fn
+
+    cls = actor_model_class()  # stubs TRT-LLM when absent, before the nemo_aligner imports below
+    from nemo_aligner.utils.train_script_utils import (
+        extract_optimizer_scheduler_from_ptl_model,
+        init_distributed,
+        init_peft,
+        init_using_ptl,
+        resolve_and_create_trainer,
+    )
+    from nemo_aligner.utils.utils import (
+        load_and_override_model_config,
+        load_from_nemo,
+        retrieve_model_state_dict_in_cpu,
+    )
+
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+    gpus = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(max(torch.cuda.device_count(), 1))).split("(")[0])
+    ncfg = build_nemo_config(cfg, nodes, gpus, nemo_overrides)
+    restore = ncfg.pretrained_checkpoint.restore_from_path
+    ncfg.model = load_and_override_model_config(restore, ncfg.model)
+    ptl_trainer = resolve_and_create_trainer(ncfg, "reinforce")
+    exp_manager(ptl_trainer, ncfg.exp_manager)
+    model = load_from_nemo(cls, ncfg.model, ptl_trainer, strict=True, restore_path=restore)
+    ends = apply_end_strings(model, list(ncfg.model.reinforce.sampling_params.end_strings)
+                             if end_strings_override(nemo_overrides) else None)
+    print(f"nemo_entry: end strings {ends} (single tokens of the model's tokenizer)", flush=True)
+    init_peft(model, ncfg.model)
+    if float(cfg.grpo.kl_beta) > 0 and ncfg.model.peft.peft_scheme == "none":
+        # the INITIAL policy, captured before a resumed checkpoint is restored below
+        model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(
+            model, megatron_amp_O2=ncfg.model.get("megatron_amp_O2", False))
+    resume = nemo_resume_path(cfg)
+    if resume is not None:
+        ptl_trainer.ckpt_path = str(nemo_checkpoint_dir(resume))
+    init_distributed(ptl_trainer, model, ncfg.model.get("transformer_engine", False))
+    from laconic_nemo.grpo.run_lock import hold_output_dir
+
+    lock = hold_output_dir(cfg.run.output_dir, torch.distributed.get_rank())  # rank 0 holds it; raises on all ranks
+
+    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    from megatron.core import parallel_state as mps
+
+    dummy = torch.utils.data.DataLoader(dataset=items, batch_size=max(1, int(ncfg.model.global_batch_size)
+                                                                      // mps.get_data_parallel_world_size()))
+    init_using_ptl(ptl_trainer, model, dummy, items)
+    del model._train_dl
+    optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(model)
+    tok = model.tokenizer
+    pad_id = tok.pad_id if getattr(tok, "pad_id", None) is not None and tok.pad_id >= 0 else tok.eos_id
+    actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume)
+
+    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
+    task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
+                decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
+    try:
+        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor))
+        if code == 0:
+            export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
+            model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
+    finally:
+        if lock is not None:
+            lock.release()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m laconic_nemo.nemo_entry", description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="key=value (recipe) or nemo.key=value (NeMo config)")
+    p.add_argument("--prepare", action="store_true", help="convert the HF checkpoint if model.path is missing")
+    p.add_argument("--hf-model", default=os.environ.get("HF_MODEL") or None)
+    args = p.parse_intermixed_args(argv)
+    recipe_ov, nemo_ov = split_overrides(list(args.overrides))
+    try:
+        cfg = load_config(args.recipe, recipe_ov)
+        if nemo_ov:
+            OmegaConf.from_dotlist(nemo_ov)
+    except (ConfigError, ValueError) as exc:
+        print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+        return 2
+    if args.prepare:
+        if int(os.environ.get("SLURM_PROCID", "0")) != 0:
+            return 0
+        return prepare(cfg, args.hf_model)
+    from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free
+
+    try:  # every rank, before anything is loaded: another live run holds run.output_dir
+        check_free(cfg.run.output_dir)
+    except OutputDirLocked as exc:
+        print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+        return 2
+    if cfg.model.source != "nemo":
+        from laconic_nemo.app.train_cli import train
+
+        return train(cfg)
+    try:
+        return train_nemo(cfg, nemo_ov)
+    except (EndStringError, OutputDirLocked) as exc:  # OutputDirLocked: a run that started at the same time took it first
+        print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""One run of GRPO + LACONIC, shared by both entry points: ``run(cfg, actor, task)``.
+
+The entry point (:mod:`laconic_nemo.app.train_cli` for the megatron-core actor, :mod:`laconic_nemo.app.nemo_entry`
+for the NeMo-Aligner actor) initialises torch.distributed, holds ``run.output_dir``, builds the actor and the
+:class:`~laconic_nemo.app.task.Task`; :func:`run` then sets up the trainer, warms up the policy when the recipe
+asks for it and no checkpoint is resumed, trains, and prints the closing summary (and the curves).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from laconic_nemo.app.task import Task
+from laconic_nemo.faults import heartbeat
+from laconic_nemo.grpo.checkpoint import CheckpointHook
+from laconic_nemo.grpo.interfaces import PolicyActor
+from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
+
+
+def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
+        early_signal: int | None = None) -> int:
+    """Train ``actor`` on ``task`` for ``cfg.run.num_steps`` steps (every rank, SPMD).
+
+    checkpoint_hook: writes and prunes an actor's own checkpoint files beside the trainer's step folders
+        (the NeMo-Aligner actor's distributed checkpoint); None for actors whose state the trainer saves.
+    early_signal: a SIGUSR1 / SIGTERM received before the trainer's handler was installed.
+
+    Returns 0 when the run finished, 3 when it stopped on a signal (after a checkpoint, or before the first step).
+    """
+    trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
+                          checkpoint_hook=checkpoint_hook)
+    is_logger = trainer.is_logger
+
+    def log(msg: str):
+        if is_logger:
+            print(msg, flush=True)
+
+    trainer._install_signal_handlers()
+    if early_signal is not None and trainer._stop_signal is None:
+        trainer._stop_signal = early_signal
+    if trainer._should_stop():
+        log("stopped on a signal during start-up; nothing to save yet")
+        return 3
+    if int(cfg.warmup.num_steps) > 0 and trainer.find_resume_checkpoint() is None:
+        from laconic_nemo.app.warmup import warm_up
+
+        if not warm_up(cfg, actor, task.warmup_example, task.pad_id, trainer.rank, log, trainer._should_stop):
+            log("stopped on a signal during the warm-up; its progress is saved and a rerun continues it")
+            return 3
+        if trainer._should_stop():
+            log("stopped on a signal after the warm-up; the warmed-up policy is cached")
+            return 3
+    heartbeat("resume")
+    status = trainer.fit()
+    if status == "finished" and cfg.checkpoint.get("export_hf", False):
+        # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
+        heartbeat("export_hf", trainer.step)
+        if is_logger:
+            from laconic_nemo.export import export_hf
+
+            ckpt = export_hf(trainer.out, trainer.out / "hf")
+            print(f"exported {ckpt} as a Hugging Face model to {trainer.out / 'hf'}", flush=True)
+        trainer._barrier()
+    heartbeat("finish")
+    if is_logger:
+        from laconic_nemo.grpo.resume import read_metrics
+
+        # the whole run, also the steps before a resume
+        rows, _ = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+        if rows:
+            s = summarize(rows)
+            log("summary: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+        if rows and cfg.logging.plot:
+            from laconic_nemo.app.plots import plot_training_curves
+
+            png = plot_training_curves(Path(cfg.run.output_dir) / "metrics.jsonl",
+                                       Path(cfg.run.output_dir) / "training_curves.png",
+                                       title=f"{cfg.run.name}: shaper {cfg.laconic.shaper}, B={cfg.laconic.budget}")
+            log(f"wrote {png}")
+    return 0 if status == "finished" else 3

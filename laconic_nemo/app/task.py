@@ -1,0 +1,102 @@
+"""What a run trains on: the prompts, the tokenizer's encode / decode, the task reward and the special ids.
+
+:func:`build_task` builds it for ``laconic-nemo train`` (megatron-core actor); the NeMo-Aligner entry point
+builds it from the ``.nemo``'s tokenizer (:mod:`laconic_nemo.app.nemo_entry`). Both hand it to
+:func:`laconic_nemo.app.run.run`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from laconic_nemo.config import ConfigError
+from laconic_nemo.grpo.trainer import RewardFn
+
+
+@dataclass
+class Task:
+    """A dataset with its tokenizer and reward.
+
+    prompts: the dataset, a list of (prompt text, reference answer).
+    encode: text -> token ids (no special tokens added).
+    decode: token ids -> text (special tokens dropped).
+    reward_fn: (responses, reference answers) -> (scores in [0, 1], metrics); see
+        :data:`laconic_nemo.grpo.trainer.RewardFn`.
+    eos_id: the token that ends a response.
+    pad_id: fills the rows of a batch after their end.
+    vocab_size: the tokenizer's vocabulary when the model is built from the recipe (synthetic GPT), else None
+        (an HF or .nemo checkpoint states its own).
+    warmup_example: Random -> (prompt ids, response ids with EOS) for the supervised warm-up, or None when
+        the task has no worked solutions.
+    """
+
+    prompts: list[tuple[str, Any]]
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    reward_fn: RewardFn
+    eos_id: int
+    pad_id: int
+    vocab_size: int | None = None
+    warmup_example: Callable[[random.Random], tuple[list[int], list[int]]] | None = None
+
+
+def build_task(cfg: DictConfig) -> Task:
+    """The recipe's task for the megatron-core actor: the synthetic task with its character tokenizer
+    (``data.kind = synthetic``), or the math prompts with the checkpoint's HF tokenizer (``data.kind = math``,
+    ``model.source = hf``; a prompt that leaves no room for ``rollout.max_new_tokens`` is a ConfigError)."""
+    if cfg.data.kind == "synthetic":
+        from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
+        from laconic_nemo.rewards import extract_answer
+
+        tok = CharTokenizer()
+        task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
+        problems = task.problems(int(cfg.data.num_prompts), seed=int(cfg.run.seed))
+        prompts = [(p.prompt, p.answer) for p in problems]
+
+        def reward_fn(texts, answers):
+            extracted = [extract_answer(t) for t in texts]
+            scores = [1.0 if e is not None and e.strip() == a else 0.0 for e, a in zip(extracted, answers)]
+            no_answer = sum(e is None for e in extracted)
+            return scores, {"accuracy": sum(scores) / len(scores), "no_answer": no_answer / len(scores)}
+
+        def warmup_example(rng: random.Random):
+            prompt, response = task.warmup_example(rng)
+            return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
+
+        return Task(prompts=prompts, encode=tok.encode, decode=tok.decode, reward_fn=reward_fn, eos_id=tok.eos_id,
+                    pad_id=tok.pad_id, vocab_size=tok.vocab_size, warmup_example=warmup_example)
+
+    from laconic_nemo.data.datasets import load_math_prompts
+    from laconic_nemo.rewards.format import build_reward_fn
+
+    if cfg.model.source != "hf":
+        raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    from laconic_nemo.launch_plan import _hf_config
+
+    hf = _hf_config(str(cfg.model.path)) or {}
+    context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
+    room = context - int(cfg.rollout.max_new_tokens)
+    for item in items:
+        n = len(tok.encode(item.prompt, add_special_tokens=False))
+        if n > room:
+            raise ConfigError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
+                              f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} at most {room} fit the "
+                              f"context of {context} tokens")
+    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return Task(prompts=[(i.prompt, i.answer) for i in items], encode=encode, decode=decode, reward_fn=reward_fn,
+                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or tok.eos_token_id)

@@ -1,0 +1,189 @@
+"""Supervised warm-up: fit the initial policy on worked solutions before RL (tiny CPU demo).
+
+The same actor, parallel layout and ``train_step`` as RL, with a masked next-token NLL on the
+response tokens (EOS included) instead of the GRPO loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from laconic_nemo.config import ConfigError
+from laconic_nemo.faults import fault_point, heartbeat
+from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
+from laconic_nemo.grpo.loss import make_sft_loss_fn
+from laconic_nemo.grpo.trainer import allreduce_sum
+
+
+@runtime_checkable
+class WarmupActor(PolicyActor, Protocol):
+    """What the warm-up needs of an actor beyond :class:`~laconic_nemo.grpo.interfaces.PolicyActor` (the
+    megatron-core actor has it; the NeMo-Aligner actor starts from its ``.nemo`` and has no warm-up)."""
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's model weights only (a warmed-up policy to cache)."""
+        ...
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        ...
+
+    def reset_optimizer(self, lr: float) -> None:
+        """Fresh optimiser state and scheduler at learning rate ``lr`` (between warm-up and RL)."""
+        ...
+
+    def set_learning_rate(self, lr: float) -> None:
+        ...
+
+    def snapshot_reference(self) -> None:
+        """Make the current weights the reference policy pi_ref of the KL term."""
+        ...
+
+
+def pack(examples: list[tuple[list[int], list[int]]], pad_id: int) -> TrainBatch:
+    """(prompt ids, response ids incl. EOS) pairs -> right-padded TrainBatch with its response mask."""
+    seqs = [p + r for p, r in examples]
+    T = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s)
+    pl = torch.tensor([len(p) for p, _ in examples])
+    rl = torch.tensor([len(r) for _, r in examples])
+    return TrainBatch(tokens=tokens, prompt_lengths=pl, response_lengths=rl, response_mask=response_mask(pl, rl, T))
+
+
+def supervised_warmup(
+    actor: WarmupActor,
+    make_example: Callable[[random.Random], tuple[list[int], list[int]]],
+    num_steps: int,
+    batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+    log_every: int = 50,
+    start_step: int = 0,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[float]:
+    """``num_steps`` optimiser steps on fresh examples; ``batch_size`` is global (split over DP).
+
+    Every DP rank draws the same global batch from ``Random(seed + step)`` and keeps its slice, so
+    the data do not depend on the layout. Returns the loss of each step."""
+    if batch_size % actor.dp_size:
+        raise ValueError(f"warmup.batch_size = {batch_size} must be divisible by DP = {actor.dp_size}")
+    per = batch_size // actor.dp_size
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(start_step, num_steps):
+        if should_stop is not None and should_stop():
+            break
+        heartbeat("warmup", step + 1)
+        fault_point("warmup_step", step + 1)
+        rng = random.Random(seed * 7919 + step)
+        examples = [make_example(rng) for _ in range(batch_size)]
+        mine = pack(examples[actor.dp_rank * per : (actor.dp_rank + 1) * per], pad_id)
+        n_tok = float(allreduce_sum([float(mine.response_mask.sum())], group=actor.dp_group)[0])
+        out = actor.train_step(mine, make_sft_loss_fn(global_num_tokens=n_tok), micro_batch_size)
+        losses.append(float(out.get("loss", float("nan"))))
+        if (step + 1) % log_every == 0 or step + 1 == num_steps:
+            log(f"warmup {step + 1:>5}/{num_steps} | nll/token {losses[-1]:.4f} | {time.perf_counter() - t0:.1f}s")
+    return losses
+
+
+def warmup_cache_dir(cfg: DictConfig) -> Path:
+    """Where the warmed-up policy of this recipe is cached: a digest of what changes it (model, warm-up, layout,
+    synthetic task, seed, world size, micro-batch order)."""
+    key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
+    key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
+    key["seed"] = int(cfg.run.seed)
+    key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
+    key["sort_by_length"] = bool(cfg.grpo.sort_by_length)
+    key["warmup"].pop("cache_dir", None)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
+    return root / f"policy_{digest}"
+
+
+def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log, should_stop=None) -> bool:
+    """Warm up the policy (or load the cached result). Returns False when stopped by a signal: the steps
+    done so far (model, optimiser, step) are saved next to the cache and a rerun continues from them."""
+    import torch.distributed as dist
+
+    if warmup_example is None:
+        raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
+    cache = warmup_cache_dir(cfg)
+    shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
+    partial = cache.with_name(cache.name + ".partial")
+    total = int(cfg.warmup.num_steps)
+
+    def barrier():
+        if dist.is_initialized():
+            dist.barrier()
+
+    if (cache / "done").is_file():
+        actor.load_model_state(torch.load(shard, weights_only=False))
+        log(f"warm-up: loaded cached policy {cache}")
+    else:
+        actor.set_learning_rate(float(cfg.warmup.lr))
+        start = 0
+        if (partial / "progress.json").is_file():
+            start = int(json.loads((partial / "progress.json").read_text())["step"])
+            actor.load_checkpoint_state(torch.load(partial / shard.name, weights_only=False))
+            log(f"warm-up: continuing the interrupted warm-up at step {start + 1}/{total}")
+        else:
+            log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size}")
+        losses = supervised_warmup(actor, warmup_example, total, int(cfg.warmup.batch_size),
+                                   int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log,
+                                   start_step=start, should_stop=should_stop)
+        done_steps = start + len(losses)
+        if done_steps < total:  # stopped by a signal: save what is done
+            if rank == 0:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            barrier()
+            if actor.dp_rank == 0:
+                torch.save(actor.state_dict_for_checkpoint(), partial / shard.name)
+            barrier()
+            if rank == 0:
+                tmp = partial / "progress.json.tmp"
+                tmp.write_text(json.dumps({"step": done_steps, "of": total}))
+                os.replace(tmp, partial / "progress.json")
+            barrier()
+            log(f"warm-up: saved {done_steps}/{total} steps in {partial}")
+            return False
+        # rank 0 names the temporary folder (unique per process) and tells the other ranks
+        tmp_list = [str(cache.with_name(f"{cache.name}.tmp{os.getpid()}"))]
+        if dist.is_initialized():
+            dist.broadcast_object_list(tmp_list, src=0)
+        tmp = Path(tmp_list[0])
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        barrier()
+        if actor.dp_rank == 0:
+            torch.save(actor.model_state(), tmp / shard.name)
+        barrier()
+        if rank == 0:
+            (tmp / "done").write_text("ok")
+            if cache.exists():  # another run with the same settings finished first: keep its copy
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.replace(tmp, cache)
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
+        log(f"warm-up: cached policy in {cache}")
+    # RL starts from the warmed-up weights with a fresh optimiser at the RL learning rate; this
+    # policy is also the reference for the KL term.
+    actor.reset_optimizer(lr=float(cfg.optim.lr))
+    actor.snapshot_reference()
+    return True

@@ -99,7 +99,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     if int(gpus_per_node) < 1:
         _fail("--gpus-per-node", gpus_per_node, "an integer >= 1")
     world = int(nodes) * int(gpus_per_node)
-    tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     if tp > gpus_per_node or gpus_per_node % tp:
         _fail("parallel.tensor_model_parallel_size", tp,
               f"a divisor of --gpus-per-node = {gpus_per_node} (tensor parallelism stays inside a node)")
@@ -126,7 +126,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         _fail("parallel.tensor_model_parallel_size", tp, f"a divisor of the key-value heads ({kv_heads})")
     if layers % pp:
         _fail("parallel.pipeline_model_parallel_size", pp, f"a divisor of the number of layers ({layers})")
-    lmax = int(cfg.rollout.max_new_tokens)
+    lmax = cfg.rollout.max_new_tokens
     if lmax >= max_pos:
         _fail("rollout.max_new_tokens", lmax, f"< the context window model.max_position_embeddings = {max_pos} "
               "(prompt + response must fit)")
@@ -175,8 +175,8 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
         micro_batch_size=mbs, steps_per_rollout=rollout // mini, prompts_per_rank=prompts // dp,
         samples_per_rank=rollout // dp, micro_batches_per_step=mini // (dp * mbs), max_new_tokens=lmax,
-        budget=float(cfg.laconic.budget), max_generated_tokens_per_step=rollout * lmax,
-        budget_tokens_per_step=int(round(rollout * float(cfg.laconic.budget))), num_steps=int(cfg.run.num_steps),
+        budget=cfg.laconic.budget, max_generated_tokens_per_step=rollout * lmax,
+        budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
         conversion_needed=conversion, warnings=warnings,
     )
 

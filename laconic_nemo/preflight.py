@@ -85,6 +85,6 @@ def preflight_train(cfg: DictConfig, world_size: int, local_world_size: int | No
     nodes = max(1, world_size // local)
     plan_layout(cfg, nodes, local, recipe="", check_paths=True, cluster=False)
     check_writable_dir(cfg.run.output_dir, "run.output_dir")
-    if int(cfg.warmup.num_steps) > 0 and cfg.warmup.cache_dir:
+    if cfg.warmup.num_steps > 0 and cfg.warmup.cache_dir:
         check_writable_dir(cfg.warmup.cache_dir, "warmup.cache_dir")
     return check_resume(cfg, world_size)

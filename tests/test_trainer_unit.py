@@ -102,6 +102,7 @@ def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp
     import torch
 
     from laconic_nemo.actors.nemo_aligner import NemoCheckpointHook
+    from laconic_nemo.core import shaper_state
 
     seen = []
 
@@ -120,7 +121,7 @@ def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp
                           checkpoint_hook=NemoCheckpointHook(actor))
     for step in (1, 2, 3):
         trainer.save_checkpoint(step)
-    lam = trainer.shaper.state_dict()
+    lam = shaper_state(trainer.shaper.name, trainer.dual)
     assert seen == [(f"step_{s:06d}", {"step": s, "shaper": lam}, False) for s in (1, 2, 3)]
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in (root / "nemo").iterdir()) == ["step_000002", "step_000003"]

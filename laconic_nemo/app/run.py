@@ -43,7 +43,7 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
     if trainer._should_stop():
         log("stopped on a signal during start-up; nothing to save yet")
         return 3
-    if int(cfg.warmup.num_steps) > 0 and trainer.find_resume_checkpoint() is None:
+    if cfg.warmup.num_steps > 0 and trainer.find_resume_checkpoint() is None:
         from laconic_nemo.app.warmup import warm_up
 
         if not warm_up(cfg, actor, task.warmup_example, task.pad_id, trainer.rank, log, trainer._should_stop):

@@ -54,7 +54,7 @@ def build_task(cfg: DictConfig) -> Task:
 
         tok = CharTokenizer()
         task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
-        problems = task.problems(int(cfg.data.num_prompts), seed=int(cfg.run.seed))
+        problems = task.problems(cfg.data.num_prompts, seed=cfg.run.seed)
         prompts = [(p.prompt, p.answer) for p in problems]
 
         def reward_fn(texts, answers):
@@ -83,7 +83,7 @@ def build_task(cfg: DictConfig) -> Task:
 
     hf = _hf_config(str(cfg.model.path)) or {}
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
-    room = context - int(cfg.rollout.max_new_tokens)
+    room = context - cfg.rollout.max_new_tokens
     for item in items:
         n = len(tok.encode(item.prompt, add_special_tokens=False))
         if n > room:

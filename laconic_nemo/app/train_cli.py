@@ -85,7 +85,7 @@ def run(args) -> int:
         cfg = load_config(args.recipe, args.overrides)
         nprocs = world = int(os.environ.get("WORLD_SIZE", "1"))
         if launcher:
-            model_parallel = int(cfg.parallel.tensor_model_parallel_size) * int(cfg.parallel.pipeline_model_parallel_size)
+            model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
             nprocs = world = args.nprocs or model_parallel
             if nprocs % model_parallel:
                 raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
@@ -107,7 +107,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 3
     if launcher and nprocs > 1:
-        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=float(cfg.parallel.watchdog_s))
+        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=cfg.parallel.watchdog_s)
     return train(cfg)
 
 
@@ -242,10 +242,10 @@ def train(cfg: DictConfig) -> int:
     from laconic_nemo.megatron_env import destroy_distributed, init_distributed
 
     torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
-    info = init_distributed(int(cfg.parallel.tensor_model_parallel_size),
-                            int(cfg.parallel.pipeline_model_parallel_size),
-                            backend=str(cfg.parallel.backend), seed=int(cfg.run.seed),
-                            timeout_s=float(cfg.parallel.collective_timeout_s))
+    info = init_distributed(cfg.parallel.tensor_model_parallel_size,
+                            cfg.parallel.pipeline_model_parallel_size,
+                            backend=str(cfg.parallel.backend), seed=cfg.run.seed,
+                            timeout_s=cfg.parallel.collective_timeout_s)
     heartbeat("start-up")
     is_logger = info.rank == 0
 

@@ -104,10 +104,10 @@ def warmup_cache_dir(cfg: DictConfig) -> Path:
     synthetic task, seed, world size, micro-batch order)."""
     key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
-    key["seed"] = int(cfg.run.seed)
+    key["seed"] = cfg.run.seed
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
-    key["sort_by_length"] = bool(cfg.grpo.sort_by_length)
+    key["sort_by_length"] = cfg.grpo.sort_by_length
     key["warmup"].pop("cache_dir", None)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
@@ -124,7 +124,7 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
     cache = warmup_cache_dir(cfg)
     shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
     partial = cache.with_name(cache.name + ".partial")
-    total = int(cfg.warmup.num_steps)
+    total = cfg.warmup.num_steps
 
     def barrier():
         if dist.is_initialized():
@@ -134,7 +134,7 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
         actor.load_model_state(torch.load(shard, weights_only=False))
         log(f"warm-up: loaded cached policy {cache}")
     else:
-        actor.set_learning_rate(float(cfg.warmup.lr))
+        actor.set_learning_rate(cfg.warmup.lr)
         start = 0
         if (partial / "progress.json").is_file():
             start = int(json.loads((partial / "progress.json").read_text())["step"])
@@ -142,8 +142,8 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
             log(f"warm-up: continuing the interrupted warm-up at step {start + 1}/{total}")
         else:
             log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size}")
-        losses = supervised_warmup(actor, warmup_example, total, int(cfg.warmup.batch_size),
-                                   int(cfg.grpo.micro_batch_size), int(cfg.run.seed), pad_id, log=log,
+        losses = supervised_warmup(actor, warmup_example, total, cfg.warmup.batch_size,
+                                   cfg.grpo.micro_batch_size, cfg.run.seed, pad_id, log=log,
                                    start_step=start, should_stop=should_stop)
         done_steps = start + len(losses)
         if done_steps < total:  # stopped by a signal: save what is done
@@ -184,6 +184,6 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
         log(f"warm-up: cached policy in {cache}")
     # RL starts from the warmed-up weights with a fresh optimiser at the RL learning rate; this
     # policy is also the reference for the KL term.
-    actor.reset_optimizer(lr=float(cfg.optim.lr))
+    actor.reset_optimizer(lr=cfg.optim.lr)
     actor.snapshot_reference()
     return True

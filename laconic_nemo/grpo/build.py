@@ -42,7 +42,7 @@ def build_dual(cfg: DictConfig) -> DualController | None:
 
 def constant_lambda(cfg: DictConfig) -> float:
     """lambda of a shaper without a controller: laconic.lambda_init for ``fixed``, 0 for the others."""
-    return float(cfg.laconic.lambda_init) if SHAPERS[cfg.laconic.shaper].lam == "fixed" else 0.0
+    return cfg.laconic.lambda_init if SHAPERS[cfg.laconic.shaper].lam == "fixed" else 0.0
 
 
 def advantage_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -100,10 +100,10 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
-    G = int(cfg.grpo.group_size)
+    G = cfg.grpo.group_size
     shaper, controller = build_shaper(cfg), build_dual(cfg)
     lam = controller.value if controller is not None else constant_lambda(cfg)
-    lmax = int(cfg.rollout.max_new_tokens)
+    lmax = cfg.rollout.max_new_tokens
     lengths = torch.tensor([[1, lmax][i % 2] for i in range(G)], dtype=torch.long)
     shaped, _ = shaper(torch.linspace(0.0, 1.0, G), lengths, lengths >= lmax, G, lam,
                        torch.full((G,), float(lmax)) if shaper.fn.needs_targets else None)
@@ -129,7 +129,7 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
 
     out = StepOneBuild(
         shaper=shaper.name, lambda_init=float(lam), dual=dual,
-        advantages=advantage_settings(cfg), loss=loss_kw, reward="", count_eos=bool(cfg.laconic.count_eos),
+        advantages=advantage_settings(cfg), loss=loss_kw, reward="", count_eos=cfg.laconic.count_eos,
         prompt_template=str(cfg.data.prompt_template),
     )
     if cfg.reward.kind == "math":
@@ -137,8 +137,8 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
 
         _, grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))
         grader.close()
-        out.reward = (f"math ({cfg.reward.format}, format_weight {float(cfg.reward.format_weight):g}, "
-                      f"{int(cfg.reward.num_workers)} workers)")
+        out.reward = (f"math ({cfg.reward.format}, format_weight {cfg.reward.format_weight:g}, "
+                      f"{cfg.reward.num_workers} workers)")
     else:
         out.reward = "synthetic"
 

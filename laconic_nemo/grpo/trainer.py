@@ -137,7 +137,7 @@ class GRPOTrainer:
         self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
         g = cfg.grpo
         self.G = int(g.group_size)
-        self.num_steps = int(cfg.run.num_steps)
+        self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
         self.local_minibatch = int(g.minibatch_size) // dp
@@ -145,15 +145,15 @@ class GRPOTrainer:
         self.shaper, self.dual, self._constant_lambda = build_shaper(cfg), build_dual(cfg), constant_lambda(cfg)
         rng = cfg.data.target_length_range
         self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
-        self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), int(cfg.run.seed),
-                                     bool(cfg.data.shuffle))
+        self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), cfg.run.seed,
+                                     cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if _dist_ready() else 0
         self.world = dist.get_world_size() if _dist_ready() else 1
         self.is_logger = self.rank == 0
-        self.checkpoints = CheckpointManager(self.out / "checkpoints", int(cfg.checkpoint.keep_last), self.rank,
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.checkpoint.keep_last, self.rank,
                                              checkpoint_hook)
-        self.metrics = MetricsWriter(self.out, self.rank, actor.dp_rank, self.num_steps, int(cfg.run.log_every))
+        self.metrics = MetricsWriter(self.out, self.rank, actor.dp_rank, self.num_steps, cfg.run.log_every)
         self.step = 0
         self._stop_signal: int | None = None
         self.history: list[dict] = []
@@ -186,11 +186,11 @@ class GRPOTrainer:
         items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
         prompt_ids = [self.encode(p) for p, _ in items]
         sampling = SamplingParams(
-            temperature=float(self.cfg.rollout.temperature),
-            top_p=float(self.cfg.rollout.top_p),
-            max_new_tokens=int(self.cfg.rollout.max_new_tokens),
+            temperature=self.cfg.rollout.temperature,
+            top_p=self.cfg.rollout.top_p,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
             eos_id=self.eos_id,
-            seed=(int(self.cfg.run.seed) * 1_000_003 + step) * 1_009 + self.actor.dp_rank,
+            seed=(self.cfg.run.seed * 1_000_003 + step) * 1_009 + self.actor.dp_rank,
         )
         with timer("generate"):
             gen = self.actor.generate(prompt_ids, sampling)
@@ -213,7 +213,7 @@ class GRPOTrainer:
         lo, hi = self.target_range
         targets = []
         for i in indices:
-            g = torch.Generator().manual_seed((int(self.cfg.run.seed) * 1_000_003 + step) * 1_000_033 + i)
+            g = torch.Generator().manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1_000_033 + i)
             targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
         instruction = str(self.cfg.data.target_instruction)
         return [t + instruction.format(target=n) for t, n in zip(texts, targets)], targets
@@ -236,7 +236,7 @@ class GRPOTrainer:
 
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
-            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, bool(self.cfg.laconic.count_eos))
+            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, self.cfg.laconic.count_eos)
             shaped, shaper_metrics = self.shaper(task_reward, lengths, truncated, self.G, self.lam, targets)
             advantages = group_advantages(shaped, self.G, **advantage_settings(self.cfg))
 
@@ -249,15 +249,15 @@ class GRPOTrainer:
         )
         with timer("logprobs"):
             # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
-            temp = float(self.cfg.rollout.temperature)
+            temp = self.cfg.rollout.temperature
             batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
-            if float(self.cfg.grpo.kl_beta) > 0:
+            if self.cfg.grpo.kl_beta > 0:
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
         # the loss of this step: the recipe's settings at the rollout temperature; each optimiser minibatch
         # binds its own global token / sequence counts
         make_loss = functools.partial(make_grpo_loss_fn, **loss_settings(self.cfg),
-                                      temperature=float(self.cfg.rollout.temperature))
+                                      temperature=self.cfg.rollout.temperature)
         with timer("policy_update"):
             update_metrics = self._policy_update(batch, make_loss)
 
@@ -272,7 +272,7 @@ class GRPOTrainer:
         metrics.update(
             step=step + 1,
             mean_response_length=global_mean_length,
-            budget=float(self.cfg.laconic.budget),
+            budget=self.cfg.laconic.budget,
             **{"lambda": lam_used, "lambda_next": lam_next},
         )
         metrics["step_seconds"] = time.perf_counter() - t_start
@@ -306,7 +306,7 @@ class GRPOTrainer:
         local.update({f"reward/{k}": float(v) for k, v in reward_metrics.items() if isinstance(v, (int, float))})
         local["task_reward"] = float(task_reward.mean())
         local["truncated_fraction"] = float(gen.truncated.float().mean())
-        local["frac_over_budget"] = float((gen.lengths.float() > float(self.cfg.laconic.budget)).float().mean())
+        local["frac_over_budget"] = float((gen.lengths.float() > self.cfg.laconic.budget).float().mean())
         keys = sorted(local)
         reduced = allreduce_sum([local[k] for k in keys], group=self.actor.dp_group) / self.actor.dp_size
         out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
@@ -368,7 +368,7 @@ class GRPOTrainer:
                 print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
         self.metrics.truncate(self.step)
         self._install_signal_handlers()
-        every = int(self.cfg.checkpoint.every_n_steps)
+        every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
             m = self.train_step(self.step)

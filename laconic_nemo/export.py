@@ -11,6 +11,10 @@ concatenated and pipeline stages renumbered by :func:`laconic_nemo.actors.megatr
 names (:func:`laconic_nemo.bridge.mapping.full_to_hf`: fused QKV and gate/up split, vocabulary padding
 dropped). ``config.json`` and the tokenizer files come from the run's ``model.path`` (or ``--hf-config``).
 Only runs with ``model.source: hf`` have a Hugging Face architecture; the synthetic GPT has none.
+
+A NeMo-Aligner run (``model.source: nemo``) is exported from its NeMo distributed checkpoint
+(``checkpoints/nemo/step_XXXXXX/model``, or that folder given directly), read by megatron-core's
+``dist_checkpointing.load``; ``--hf-config`` names the Hugging Face folder its ``.nemo`` was converted from.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from laconic_nemo.grpo.resume import find_checkpoint
 
 SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 STATE = "trainer_state.json"
+DIST_METADATA = "metadata.json"  # megatron-core dist_checkpointing: names the tensor format (torch_dist, zarr)
+NEMO_CKPT_DIR = "model"          # the NeMo checkpoint inside a NeMo-Aligner step folder (actors/nemo_aligner.py)
 
 
 class ExportError(ValueError):
@@ -39,8 +45,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not p.exists():
         raise ExportError(f"{p}: no such run directory or checkpoint")
     if p.suffix == ".nemo" or (p / "model_config.yaml").is_file():
-        raise ExportError(f"{p}: a NeMo checkpoint (NeMo-Aligner actor); this command exports the megatron-core "
-                          "actor's checkpoints only: convert .nemo files with NeMo's checkpoint converters")
+        raise ExportError(f"{p}: a NeMo checkpoint (.nemo archive); this command exports a run directory or its "
+                          "distributed checkpoints (checkpoints/nemo/step_XXXXXX): pass the run, or convert .nemo "
+                          "files with NeMo's checkpoint converters")
+    if (p / DIST_METADATA).is_file() or (p / NEMO_CKPT_DIR / DIST_METADATA).is_file():
+        return p  # a NeMo-Aligner distributed checkpoint (the step folder or its model/ folder)
     if p.name.endswith(".tmp"):
         raise ExportError(f"{p}: an incomplete checkpoint (still being written, or the run died while writing it)")
     if (p / STATE).is_file():
@@ -60,8 +69,8 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[int, int], d
         raise ExportError(f"{ckpt}: unreadable {STATE} ({exc})") from exc
     cfg = state.get("config") or {}
     if str(cfg.get("model", {}).get("source")) == "nemo":  # its trainer state has no megatron-core shards beside it
-        raise ExportError(f"{ckpt}: a NeMo-Aligner run (model.source: nemo); its policy is the run's "
-                          "export/policy.nemo, which this command does not convert: use NeMo's checkpoint converters")
+        raise ExportError(f"{ckpt}: a NeMo-Aligner run (model.source: nemo): its weights are NeMo's distributed "
+                          "checkpoint, not megatron-core shards")
     par = cfg.get("parallel", {})
     tp, pp = int(par.get("tensor_model_parallel_size", 1)), int(par.get("pipeline_model_parallel_size", 1))
     want = {f"model_tp{t:02d}_pp{p:02d}.pt": (t, p) for t in range(tp) for p in range(pp)}
@@ -103,6 +112,10 @@ def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None
     from laconic_nemo.bridge.mapping import SPLIT_DIM, full_to_hf, weight_map
 
     ckpt = resolve_checkpoint(src)
+    nemo_dir = nemo_dist_checkpoint(ckpt)
+    if nemo_dir is not None:
+        export_nemo_hf(nemo_dir, out_dir, hf_config, ckpt)
+        return ckpt
     cfg, shards = read_checkpoint(ckpt)
     hf_src = _hf_source(cfg, ckpt, hf_config)
     arch = arch_from_hf_config(hf_src)
@@ -131,6 +144,124 @@ def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None
         hf.update(full_to_hf(e, full[e.megatron], arch, tp))
     save_safetensors_dir(str(out_dir), hf, config=hf_src, copy_from=hf_src)
     return ckpt
+
+
+# ---------------------------------------------------------------------------------------------- NeMo-Aligner runs
+# NeMo's MegatronGPTModel holds a megatron-core GPTModel as ``model`` (``model.module`` with megatron_amp_O2), so
+# its distributed checkpoint holds megatron-core's sharded keys under that prefix, with the layers of a
+# homogeneous decoder stacked along a leading axis (``model.decoder.layers.<name>`` [L, ...],
+# megatron/core/transformer/transformer_block.py:640-647 in megatron-core 0.11). The keys are global, not per
+# TP rank: a rank's qkv block is its slice of the full fused tensor, and SwiGLU's fc1 is stored as the full
+# [gate; up] (mlp.py:147-190, apply_swiglu_sharded_factory), so the bridge's TP 1 layout applies at any TP.
+# The Transformer Engine spec (NeMo's default "te_gpt") fuses the two pre-norms into the following linear layer
+# (gpt_layer_specs.py: TELayerNormColumnParallelLinear); their weights map back to the local spec's names.
+TE_NORM_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_NEMO_PREFIXES = ("model.module.", "model.")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+
+
+def nemo_dist_checkpoint(ckpt: Path) -> Path | None:
+    """The NeMo distributed checkpoint folder (holding ``metadata.json``) behind ``ckpt``, or None for a
+    megatron-core actor's checkpoint. ``ckpt``: a distributed checkpoint, a NeMo-Aligner step folder
+    (``checkpoints/nemo/step_X``, its ``model/`` inside), or the trainer's ``checkpoints/step_X`` of a
+    NeMo-Aligner run (its NeMo checkpoint is ``checkpoints/nemo/step_X/model``, NemoCheckpointHook)."""
+    for folder in (ckpt, ckpt / NEMO_CKPT_DIR):
+        if (folder / DIST_METADATA).is_file():
+            return folder
+    try:
+        state = json.loads((ckpt / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    if str((state.get("config") or {}).get("model", {}).get("source")) != "nemo":
+        return None
+    folder = ckpt.parent / "nemo" / ckpt.name / NEMO_CKPT_DIR
+    if not (folder / DIST_METADATA).is_file():
+        raise ExportError(f"{ckpt}: a NeMo-Aligner run (model.source: nemo) whose NeMo checkpoint {folder} "
+                          f"(with {DIST_METADATA}) is missing")
+    return folder
+
+
+def _world_of_one():
+    """megatron-core's loader asks torch.distributed for the rank: a single-process gloo group when none is
+    running (file rendezvous, no port). Returns a function that ends what this started."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return lambda: None
+    tmp = tempfile.TemporaryDirectory()
+    dist.init_process_group("gloo", init_method=f"file://{tmp.name}/store", rank=0, world_size=1)
+
+    def end():
+        dist.destroy_process_group()
+        tmp.cleanup()
+
+    return end
+
+
+def load_nemo_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a NeMo distributed checkpoint -> {megatron-core name (global layer index, local
+    spec names): full tensor}. Read by ``megatron.core.dist_checkpointing.load`` with the strategy the
+    folder's ``metadata.json`` names; optimiser states are not read."""
+    from megatron.core import dist_checkpointing
+
+    folder = Path(folder)
+    end = _world_of_one()
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(folder))
+        wanted = {k: v for k, v in meta.items() if k.startswith(_NEMO_PREFIXES) and "_extra_state" not in k}
+        if not wanted:
+            raise ExportError(f"{folder}: no model tensors (keys under 'model.') in this distributed checkpoint")
+        loaded = dist_checkpointing.load(wanted, str(folder), validate_access_integrity=False)
+    finally:
+        end()
+    out: dict[str, torch.Tensor] = {}
+    for key, t in loaded.items():
+        name = next(key[len(p):] for p in _NEMO_PREFIXES if key.startswith(p))
+        m = _STACKED.match(name)
+        layers = [(f"decoder.layers.{i}.{m.group(1)}", t[i]) for i in range(t.shape[0])] if m else [(name, t)]
+        for n, x in layers:
+            for te, local in TE_NORM_NAMES.items():
+                n = n.replace(te, local)
+            out[n] = x.contiguous()
+    return out
+
+
+def export_nemo_hf(folder: Path, out_dir: str | Path, hf_config: str | None, ckpt: Path | None = None) -> None:
+    """Write the policy in NeMo distributed checkpoint ``folder`` as a Hugging Face folder ``out_dir``;
+    ``hf_config``: the Hugging Face folder the run's ``.nemo`` was converted from (config.json, tokenizer)."""
+    from laconic_nemo.bridge import arch_from_hf_config, save_safetensors_dir
+    from laconic_nemo.bridge.mapping import full_to_hf, hf_shapes, weight_map
+
+    where = ckpt or folder
+    if not hf_config or not (Path(hf_config) / "config.json").is_file():
+        raise ExportError(f"{where}: a NeMo-Aligner checkpoint has no Hugging Face config; pass --hf-config DIR "
+                          f"(the folder the .nemo was converted from, with config.json and tokenizer; got {hf_config})")
+    arch = arch_from_hf_config(hf_config)
+    full = load_nemo_weights(folder)
+    entries = weight_map(arch)
+    if arch.tie_word_embeddings:
+        entries = [e for e in entries if e.megatron != "output_layer.weight"]
+        full.pop("output_layer.weight", None)
+    names = {e.megatron for e in entries}
+    missing, unknown = sorted(names - set(full)), sorted(set(full) - names)
+    if missing or unknown:
+        raise ExportError(f"{where}: NeMo checkpoint tensors do not match the {arch.model_type} architecture of "
+                          f"{hf_config}: missing {missing[:5]}, unexpected {unknown[:5]}")
+    hf: dict[str, torch.Tensor] = {}
+    shapes = hf_shapes(arch)
+    for e in entries:
+        try:
+            hf.update(full_to_hf(e, full[e.megatron], arch, 1))  # global tensors: the TP 1 layout
+        except (RuntimeError, ValueError) as exc:
+            raise ExportError(f"{where}: {e.megatron} {tuple(full[e.megatron].shape)} does not fit {hf_config} "
+                              f"({exc})") from exc
+    bad = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in hf.items() if tuple(t.shape) != shapes[n]]
+    if bad:
+        raise ExportError(f"{where}: shapes do not match {hf_config}/config.json: {'; '.join(bad[:3])}")
+    save_safetensors_dir(str(out_dir), hf, config=hf_config, copy_from=hf_config)
 
 
 MARKER = "exported_from.json"
@@ -163,11 +294,13 @@ def hf_model_dir(model: str | Path, cache_dir: str | Path, hf_config: str | None
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a training checkpoint as a Hugging Face model folder",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="run directory (latest complete checkpoint), its checkpoints/ or a step_XXXXXX folder")
+    p.add_argument("src", help="run directory (latest complete checkpoint), its checkpoints/, a step_XXXXXX folder "
+                               "or a NeMo distributed checkpoint folder")
     p.add_argument("--to", choices=["hf"], default="hf", help="output format (hf: safetensors + config + tokenizer)")
     p.add_argument("out_dir", help="output folder")
     p.add_argument("--hf-config", default=None,
-                   help="folder with the base model's config.json and tokenizer (default: the run's model.path)")
+                   help="folder with the base model's config.json and tokenizer (default: the run's model.path; "
+                        "required for a NeMo-Aligner run)")
     p.set_defaults(func=main)
 
 

@@ -634,3 +634,136 @@ def test_prepare_converts_a_tokenizer_json_only_folder(tmp_path, monkeypatch):
     vocab, tok_class = target.read_text().split()
     assert int(vocab) == json.loads((hf / "config.json").read_text())["vocab_size"]
     assert tok_class == "Qwen2TokenizerFast"
+
+
+# ---------------------------------------------------------------------------------------------- NeMo tier: export
+def _nemo_gpt_model(monkeypatch, hf_dir: str):
+    """A real NeMo ``MegatronGPTModel`` (mcore_gpt, local layer spec, fp32, CPU) of the Qwen2 shape in ``hf_dir``,
+    configured as NeMo's ``convert_qwen2_hf_to_nemo.py`` load_config does (rmsnorm, fast-swiglu, rope base, query
+    groups, override_vocab_size; qkv_bias as in its megatron_qwen2_config.yaml). Weights: NeMo's own random init. Three stand-ins, only where NeMo 2.2.1
+    cannot run without Transformer Engine / apex (none touches the network or its weights):
+    ``nlp_model.py:78`` asks for the BERT model list, whose import fails without TE (``bert_spec.py:36``
+    NameError); ``megatron_gpt_model.py:143-167`` ``get_specs`` builds every spec eagerly, TE ones included
+    ("TODO: This function will not work if TE is not installed") and is replaced by its own "" entry,
+    ``get_gpt_layer_local_spec``; ``build_model.py:36,134`` uses apex's
+    ``set_defaults_if_not_set_tensor_model_parallel_attributes``, replaced by megatron-core's function of that
+    name. ``NVIDIA_PYTORCH_VERSION`` is set as in the NGC container (``megatron_base_model.py:396-399``)."""
+    import nemo.collections.nlp.models.language_modeling.megatron_gpt_model as gpt_module
+    import nemo.collections.nlp.models.nlp_model as nlp_model
+    import nemo.collections.nlp.modules.common.megatron.build_model as build_module
+    from lightning.pytorch import Trainer
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
+    from nemo.collections.nlp.parts import nlp_overrides
+    from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy
+    from omegaconf import OmegaConf
+
+    def local_spec(spec_name, transformer_config=None, use_te=True, hyena_cfg=None, fp8=False):
+        assert spec_name == "" and not use_te, (spec_name, use_te)
+        return get_gpt_layer_local_spec(transformer_config.num_moe_experts, transformer_config.moe_grouped_gemm)
+
+    monkeypatch.setenv("NVIDIA_PYTORCH_VERSION", "25.02")
+    monkeypatch.setattr(nlp_model, "get_megatron_pretrained_bert_models", lambda: [])
+    monkeypatch.setattr(gpt_module, "get_specs", local_spec)
+    monkeypatch.setattr(build_module, "set_defaults_if_not_set_tensor_model_parallel_attributes",
+                        set_defaults_if_not_set_tensor_model_parallel_attributes, raising=False)
+    monkeypatch.setattr(nlp_overrides, "HAVE_APEX", True)  # only NLPDDPStrategy's constructor asks
+    c = json.loads((Path(hf_dir) / "config.json").read_text())
+    cfg = OmegaConf.create(dict(
+        mcore_gpt=True, transformer_engine=False, micro_batch_size=3, global_batch_size=6,  # as gloo_world
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, encoder_seq_length=64,
+        max_position_embeddings=64, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
+        num_query_groups=c["num_key_value_heads"], init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
+        ffn_dropout=0.0, normalization="rmsnorm", layernorm_epsilon=c["rms_norm_eps"], bias=False, qkv_bias=True,
+        activation="fast-swiglu", position_embedding_type="rope", rotary_base=c["rope_theta"],
+        share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
+        override_vocab_size=c["vocab_size"], tokenizer=dict(library="huggingface", type=hf_dir, use_fast=True),
+        precision=32, use_cpu_initialization=True, optim=dict(name="adamw", lr=1e-4), apply_rope_fusion=False,
+        bias_activation_fusion=False, bias_dropout_add_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False))
+    trainer = Trainer(devices=1, accelerator="cpu", strategy=NLPDDPStrategy(), logger=False,
+                      enable_checkpointing=False)
+    return gpt_module.MegatronGPTModel(cfg, trainer).eval()
+
+
+def _torch_dist_writer_for_this_torch(monkeypatch):
+    """megatron-core 0.11's torch_dist writer calls ``_write_item(stream, data, write_item, storage_key)``
+    (``strategies/filesystem_async.py:298,302``); torch 2.13 added leading ``transforms`` and trailing
+    ``serialization_format`` arguments (``torch/distributed/checkpoint/filesystem.py:320-327``). This adapter
+    passes the values that reproduce the old behaviour (no transforms, torch.save of each item); everything
+    else in the save (planner, metadata, file layout) and the whole load are megatron-core's and torch's."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint import filesystem
+
+    def write_item(stream, data, write_item, storage_key):
+        return filesystem._write_item(filesystem._StorageWriterTransforms(), stream, data, write_item, storage_key,
+                                      filesystem.SerializationFormat.TORCH_SAVE)
+
+    monkeypatch.setattr(filesystem_async, "_write_item", write_item)
+
+
+@pytest.mark.nemo
+@nemo_skip
+@pytest.mark.parametrize("spec", ["local", "te"])
+def test_export_nemo_run_to_hf_matches_nemo_logits(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path, spec):
+    """A NeMo-Aligner run directory -> ``laconic-nemo export RUN --to hf OUT --hf-config HF``: transformers loads
+    OUT and its logits equal the real NeMo MegatronGPTModel's (fp32, TP 1). The checkpoint is written as the actor
+    writes it (NeMo's ``DistributedCheckpointIO`` over ``MegatronGPTModel.sharded_state_dict``, megatron-core's
+    torch_dist strategy, only its byte call adapted: ``_torch_dist_writer_for_this_torch``) and read back by
+    megatron-core's ``dist_checkpointing.load``. ``te``: the same tensors under the Transformer Engine spec's
+    names, as the cluster's checkpoints have them (NeMo's default spec "te_gpt", ``megatron_gpt_model.py:158``;
+    megatron-core ``gpt_layer_specs.py:105-111,141`` fuse the pre-norms into ``TELayerNormColumnParallelLinear``;
+    NeMo's own ``convert_qwen2_nemo_to_hf.py`` reads ``linear_qkv.layer_norm_weight`` and
+    ``linear_fc1.layer_norm_weight`` in convert(), "# layernorm" block, NVIDIA/NeMo 280786ed), which need TE to build."""
+    import contextlib
+
+    import transformers
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+
+    from laconic_nemo.cli import main as cli_main
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    hf = save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=2, kv_heads=2)
+    model = _nemo_gpt_model(monkeypatch, hf)
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # the attention's dropout runs under megatron's CUDA RNG tracker; eval mode, dropout 0: no RNG is drawn
+    monkeypatch.setattr(mp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+    V = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        causal = torch.triu(torch.ones(9, 9, dtype=torch.bool), 1).expand(2, 1, 9, 9)  # True: masked (NeMo's)
+        ref = model(tokens, torch.arange(9).expand(2, 9), causal, labels=None)  # [b, s, V]
+    assert ref.shape == (2, 9, V)  # override_vocab_size, as NeMo's converter sets it: no padded rows
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": {"model": {
+        "source": "nemo", "path": "/checkpoints/base.nemo"}, "parallel": {"tensor_model_parallel_size": 1}}}))
+    (run / "checkpoints" / "latest").write_text(step.name)
+    sharded = model.sharded_state_dict()
+    if spec == "te":
+        for t in nested_values(sharded):
+            t.key = t.key.replace("layers.input_layernorm.weight",
+                                  "layers.self_attention.linear_qkv.layer_norm_weight")
+            t.key = t.key.replace("layers.pre_mlp_layernorm.weight", "layers.mlp.linear_fc1.layer_norm_weight")
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    nemo_dir = run / "checkpoints" / "nemo" / step.name / na.NEMO_CKPT
+    DistributedCheckpointIO("torch_dist").save_checkpoint({"state_dict": sharded}, str(nemo_dir))
+    assert json.loads((nemo_dir / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+    out = tmp_path / "out"
+    assert cli_main(["export", str(run), "--to", "hf", str(out), "--hf-config", hf]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf_model(input_ids=tokens).logits
+    assert got.shape == (2, 9, V)
+    assert (got - ref).abs().max() < 1e-5
+    # NeMo's random init, not the source HF weights: equality above is not a copy of --hf-config's model
+    src = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (src(input_ids=tokens).logits - ref).abs().max() > 1e-2

@@ -208,6 +208,7 @@ class MegatronBackend:
 
         from laconic_nemo.actors.megatron_core import MegatronCoreActor
         from laconic_nemo.data.synthetic import CharTokenizer
+        from laconic_nemo.megatron_env import init_distributed
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -219,6 +220,8 @@ class MegatronBackend:
         base.model.vocab_size = self.tokenizer.vocab_size
         base.grpo.kl_beta = 0.0
         self.cfg = base
+        # this command is its own entry point: it sets up the one-process layout the actor reads
+        init_distributed(1, 1, backend="gloo", seed=int(base.run.seed))
         self.actor = MegatronCoreActor.from_config(base)
         self.batch_size = batch_size
         self.eos_id = self.tokenizer.eos_id

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from laconic_nemo.app.task import Task
 from laconic_nemo.faults import heartbeat
-from laconic_nemo.grpo.checkpoint import CheckpointHook
+from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
 
@@ -54,7 +54,7 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
             return 3
     heartbeat("resume")
     status = trainer.fit()
-    if status == "finished" and cfg.checkpoint.get("export_hf", False):
+    if status == "finished" and cfg.checkpoint.export_hf:
         # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
         heartbeat("export_hf", trainer.step)
         if is_logger:
@@ -62,7 +62,7 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
 
             ckpt = export_hf(trainer.out, trainer.out / "hf")
             print(f"exported {ckpt} as a Hugging Face model to {trainer.out / 'hf'}", flush=True)
-        trainer._barrier()
+        barrier()
     heartbeat("finish")
     if is_logger:
         from laconic_nemo.grpo.resume import read_metrics

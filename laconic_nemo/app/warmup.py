@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError
 from laconic_nemo.faults import fault_point, heartbeat
+from laconic_nemo.grpo.checkpoint import CheckpointManager, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.trainer import allreduce_sum
@@ -99,13 +100,14 @@ def supervised_warmup(
     return losses
 
 
-def warmup_cache_dir(cfg: DictConfig) -> Path:
+def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
     """Where the warmed-up policy of this recipe is cached: a digest of what changes it (model, warm-up, layout,
-    synthetic task, seed, world size, micro-batch order)."""
+    synthetic task, seed, world size, micro-batch order). world_size: the run's number of processes (default:
+    this launch's ``WORLD_SIZE``)."""
     key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
     key["seed"] = cfg.run.seed
-    key["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
     key["sort_by_length"] = cfg.grpo.sort_by_length
     key["warmup"].pop("cache_dir", None)
@@ -122,13 +124,9 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
     if warmup_example is None:
         raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
     cache = warmup_cache_dir(cfg)
-    shard = cache / f"model_tp{actor.tp_rank:02d}_pp{actor.pp_rank:02d}.pt"
+    shard = cache / CheckpointManager.shard_name(actor)
     partial = cache.with_name(cache.name + ".partial")
     total = cfg.warmup.num_steps
-
-    def barrier():
-        if dist.is_initialized():
-            dist.barrier()
 
     if (cache / "done").is_file():
         actor.load_model_state(torch.load(shard, weights_only=False))

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -139,15 +138,7 @@ def warmup_policy_dir(cfg, world_size: int, cache_root: str | Path | None = None
     ``<cache_root or warmup.cache_dir>/policy_<key digest>`` (the trainer's own key function)."""
     from laconic_nemo.app.warmup import warmup_cache_dir  # lazily: the trainer's entry point, not needed elsewhere
 
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(int(world_size))  # the key function reads the launch's world size from here
-    try:
-        name = warmup_cache_dir(cfg).name
-    finally:
-        if before is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = before
+    name = warmup_cache_dir(cfg, world_size).name
     root = Path(cache_root) if cache_root is not None else Path(str(cfg.warmup.cache_dir or ""))
     return root / name
 

@@ -40,12 +40,14 @@ class CheckpointHook(Protocol):
         ...
 
 
-def _dist_ready() -> bool:
+def dist_ready() -> bool:
+    """torch.distributed is initialised (False in a single process without a group)."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier():
-    if _dist_ready():
+def barrier() -> None:
+    """Wait for every rank (no-op without torch.distributed)."""
+    if dist_ready():
         dist.barrier()
 
 
@@ -86,9 +88,11 @@ class CheckpointManager:
     def save(self, step: int, actor: PolicyActor, trainer_state: Callable[[], dict[str, Any]]) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps); collective.
 
-        trainer_state: builds ``trainer_state.json``'s content (called on rank 0 only)."""
+        trainer_state: builds ``trainer_state.json``'s content (called once, on the ranks that need it: rank 0,
+        and every rank when a hook writes it beside the actor's files)."""
+        state = trainer_state() if self.is_logger or self.hook is not None else None
         if self.hook is not None:
-            self.hook.save(self.root, step, trainer_state())
+            self.hook.save(self.root, step, state)
         heartbeat("checkpoint", step)
         fault_point("checkpoint", step)
         final = self.step_dir(step)
@@ -97,7 +101,7 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         if actor.dp_rank == 0:
             torch.save(actor.state_dict_for_checkpoint(), tmp / self.shard_name(actor))
         torch.save(
@@ -110,9 +114,9 @@ class CheckpointManager:
             tmp / f"rng_rank{self.rank:05d}.pt",
         )
         if self.is_logger:
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state(), indent=1))
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         fault_point("checkpoint_written", step)
-        _barrier()
+        barrier()
         if self.is_logger:
             if final.exists():
                 shutil.rmtree(final)
@@ -121,7 +125,7 @@ class CheckpointManager:
             latest_tmp.write_text(final.name)
             os.replace(latest_tmp, self.root / "latest")
             self.prune()
-        _barrier()
+        barrier()
         return final
 
     def prune(self):

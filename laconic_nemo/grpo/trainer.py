@@ -42,7 +42,7 @@ from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state,
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
 from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
-from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, find_resume_checkpoint
+from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, barrier, dist_ready, find_resume_checkpoint
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     LossFn,
@@ -60,14 +60,10 @@ RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
 
 
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
     """Sum of ``values`` over ``group`` (no-op without torch.distributed). Returns a CPU tensor."""
     t = torch.as_tensor(values, dtype=dtype).clone()
-    if _dist_ready():
+    if dist_ready():
         backend = dist.get_backend(group)
         if backend == "nccl":
             t = t.cuda()
@@ -148,8 +144,8 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), cfg.run.seed,
                                      cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
-        self.rank = dist.get_rank() if _dist_ready() else 0
-        self.world = dist.get_world_size() if _dist_ready() else 1
+        self.rank = dist.get_rank() if dist_ready() else 0
+        self.world = dist.get_world_size() if dist_ready() else 1
         self.is_logger = self.rank == 0
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.checkpoint.keep_last, self.rank,
                                              checkpoint_hook)
@@ -221,7 +217,7 @@ class GRPOTrainer:
     def _grade(self, texts, answers):
         """Grade on the first rank of the model-parallel group and broadcast (identical inputs there)."""
         group = getattr(self.actor, "model_parallel_group", None)
-        if group is None or not _dist_ready() or dist.get_world_size(group) == 1:
+        if group is None or not dist_ready() or dist.get_world_size(group) == 1:
             return self.reward_fn(texts, answers)
         leader = dist.get_global_rank(group, 0)
         payload = [self.reward_fn(texts, answers) if self.rank == leader else None]
@@ -350,17 +346,13 @@ class GRPOTrainer:
         load_shaper_state(self.shaper.name, self.dual, state["shaper"], strict=strict)
         return int(state["step"])
 
-    def _barrier(self):
-        if _dist_ready():
-            dist.barrier()
-
     # ------------------------------------------------------------------ main loop
     def fit(self) -> str:
         """Train until ``run.num_steps``; returns "finished" or "preempted"."""
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
-        self._barrier()
+        barrier()
         resume = self.find_resume_checkpoint()
         if resume is not None:
             self.step = self.load_checkpoint(resume)

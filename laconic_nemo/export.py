@@ -109,7 +109,7 @@ def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None
     folder read. Tensors keep the dtype they were trained in."""
     from laconic_nemo.actors.megatron_core import global_param_name, merge_rank_states
     from laconic_nemo.bridge import arch_from_hf_config, save_safetensors_dir
-    from laconic_nemo.bridge.mapping import SPLIT_DIM, full_to_hf, weight_map
+    from laconic_nemo.bridge.mapping import SPLIT_DIM, weight_map
 
     ckpt = resolve_checkpoint(src)
     nemo_dir = nemo_dist_checkpoint(ckpt)
@@ -131,19 +131,34 @@ def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None
                 if dim is not None:
                     split[name] = dim
     full = merge_rank_states({r: st["model"] for r, st in shards.items()}, tp, pp, arch.num_layers, split)
+    hf = _hf_tensors(full, arch, tp, f"{ckpt}: shards", hf_src)
+    save_safetensors_dir(str(out_dir), hf, config=hf_src, copy_from=hf_src)
+    return ckpt
+
+
+def _hf_tensors(full: dict[str, torch.Tensor], arch, tp: int, what: str, hf_src: str) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of the full (unsharded) megatron-core state ``full`` of architecture ``arch``
+    (``tp``: the TP size whose fused layouts ``full`` holds). Raises ExportError, naming ``what`` and ``hf_src``,
+    when the names do not match the architecture or a tensor does not fit it."""
+    from laconic_nemo.bridge.mapping import full_to_hf, weight_map
+
+    entries = weight_map(arch)
     if arch.tie_word_embeddings:
         entries = [e for e in entries if e.megatron != "output_layer.weight"]
         full.pop("output_layer.weight", None)  # the last stage's copy of the embedding (PP > 1)
     names = {e.megatron for e in entries}
     missing, unknown = sorted(names - set(full)), sorted(set(full) - names)
     if missing or unknown:
-        raise ExportError(f"{ckpt}: shards do not match the {arch.model_type} architecture of {hf_src}: "
+        raise ExportError(f"{what} do not match the {arch.model_type} architecture of {hf_src}: "
                           f"missing {missing[:5]}, unexpected {unknown[:5]}")
     hf: dict[str, torch.Tensor] = {}
     for e in entries:
-        hf.update(full_to_hf(e, full[e.megatron], arch, tp))
-    save_safetensors_dir(str(out_dir), hf, config=hf_src, copy_from=hf_src)
-    return ckpt
+        try:
+            hf.update(full_to_hf(e, full[e.megatron], arch, tp))
+        except (RuntimeError, ValueError) as exc:
+            raise ExportError(f"{what}: {e.megatron} {tuple(full[e.megatron].shape)} does not fit {hf_src} "
+                              f"({exc})") from exc
+    return hf
 
 
 # ---------------------------------------------------------------------------------------------- NeMo-Aligner runs
@@ -233,31 +248,16 @@ def export_nemo_hf(folder: Path, out_dir: str | Path, hf_config: str | None, ckp
     """Write the policy in NeMo distributed checkpoint ``folder`` as a Hugging Face folder ``out_dir``;
     ``hf_config``: the Hugging Face folder the run's ``.nemo`` was converted from (config.json, tokenizer)."""
     from laconic_nemo.bridge import arch_from_hf_config, save_safetensors_dir
-    from laconic_nemo.bridge.mapping import full_to_hf, hf_shapes, weight_map
+    from laconic_nemo.bridge.mapping import hf_shapes
 
     where = ckpt or folder
     if not hf_config or not (Path(hf_config) / "config.json").is_file():
         raise ExportError(f"{where}: a NeMo-Aligner checkpoint has no Hugging Face config; pass --hf-config DIR "
                           f"(the folder the .nemo was converted from, with config.json and tokenizer; got {hf_config})")
     arch = arch_from_hf_config(hf_config)
-    full = load_nemo_weights(folder)
-    entries = weight_map(arch)
-    if arch.tie_word_embeddings:
-        entries = [e for e in entries if e.megatron != "output_layer.weight"]
-        full.pop("output_layer.weight", None)
-    names = {e.megatron for e in entries}
-    missing, unknown = sorted(names - set(full)), sorted(set(full) - names)
-    if missing or unknown:
-        raise ExportError(f"{where}: NeMo checkpoint tensors do not match the {arch.model_type} architecture of "
-                          f"{hf_config}: missing {missing[:5]}, unexpected {unknown[:5]}")
-    hf: dict[str, torch.Tensor] = {}
+    # global tensors: the TP 1 layout
+    hf = _hf_tensors(load_nemo_weights(folder), arch, 1, f"{where}: NeMo checkpoint tensors", hf_config)
     shapes = hf_shapes(arch)
-    for e in entries:
-        try:
-            hf.update(full_to_hf(e, full[e.megatron], arch, 1))  # global tensors: the TP 1 layout
-        except (RuntimeError, ValueError) as exc:
-            raise ExportError(f"{where}: {e.megatron} {tuple(full[e.megatron].shape)} does not fit {hf_config} "
-                              f"({exc})") from exc
     bad = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in hf.items() if tuple(t.shape) != shapes[n]]
     if bad:
         raise ExportError(f"{where}: shapes do not match {hf_config}/config.json: {'; '.join(bad[:3])}")

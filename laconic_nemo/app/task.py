@@ -50,7 +50,7 @@ def build_task(cfg: DictConfig) -> Task:
     ``model.source = hf``; a prompt that leaves no room for ``rollout.max_new_tokens`` is a ConfigError)."""
     if cfg.data.kind == "synthetic":
         from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
-        from laconic_nemo.rewards import extract_answer
+        from laconic_nemo.rewards import exact_answer_status
 
         tok = CharTokenizer()
         task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
@@ -58,9 +58,9 @@ def build_task(cfg: DictConfig) -> Task:
         prompts = [(p.prompt, p.answer) for p in problems]
 
         def reward_fn(texts, answers):
-            extracted = [extract_answer(t) for t in texts]
-            scores = [1.0 if e is not None and e.strip() == a else 0.0 for e, a in zip(extracted, answers)]
-            no_answer = sum(e is None for e in extracted)
+            statuses = [exact_answer_status(t, a) for t, a in zip(texts, answers)]
+            scores = [1.0 if s == "correct" else 0.0 for s in statuses]
+            no_answer = statuses.count("no_answer")
             return scores, {"accuracy": sum(scores) / len(scores), "no_answer": no_answer / len(scores)}
 
         def warmup_example(rng: random.Random):
@@ -75,9 +75,9 @@ def build_task(cfg: DictConfig) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from transformers import AutoTokenizer
+    from laconic_nemo.tokenizer_checks import load_hf_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
     from laconic_nemo.launch_plan import _hf_config
 

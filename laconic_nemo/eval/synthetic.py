@@ -92,15 +92,10 @@ class ExactAnswerGrader:
     reference string; statuses correct / wrong / no_answer (the training reward's rule, ``build_task``)."""
 
     def score(self, responses: list[str], answers: list[Any]):
-        from laconic_nemo.rewards import extract_answer
-        from laconic_nemo.rewards.math_reward import RewardResult
+        from laconic_nemo.rewards import RewardResult, exact_answer_status
 
-        scores, statuses = [], []
-        for text, ans in zip(responses, answers):
-            got = extract_answer(text)
-            ok = got is not None and got.strip() == str(ans)
-            scores.append(1.0 if ok else 0.0)
-            statuses.append("no_answer" if got is None else "correct" if ok else "wrong")
+        statuses = [exact_answer_status(text, ans) for text, ans in zip(responses, answers)]
+        scores = [1.0 if s == "correct" else 0.0 for s in statuses]
         n = max(len(scores), 1)
         return RewardResult(scores, {"accuracy": sum(scores) / n}, statuses)
 

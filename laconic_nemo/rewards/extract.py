@@ -99,3 +99,12 @@ def extract_answer(text: str) -> str | None:
 def has_boxed_answer(text: str) -> bool:
     """True when :func:`extract_answer` finds a complete, non-empty boxed answer."""
     return extract_answer(text) is not None
+
+
+def exact_answer_status(text: str, answer) -> str:
+    """The synthetic task's rule (its training reward and its benchmark): "correct" when the content of the last
+    ``\\boxed{}`` of ``text``, stripped, equals ``str(answer)``; "wrong" when it differs; "no_answer" without one."""
+    got = extract_answer(text)
+    if got is None:
+        return "no_answer"
+    return "correct" if got.strip() == str(answer) else "wrong"

@@ -1,7 +1,8 @@
-"""The real TRL ``GRPOTrainer`` with the LACONIC plug-in, on CPU, one process of ``accelerate launch
---num_processes 2 --cpu`` (tests/test_integrations_trl.py starts it once and checks what it writes).
+"""The real TRL ``GRPOTrainer`` with the LACONIC plug-in, on CPU, one process of ``torchrun --nproc_per_node 2``
+(two processes over gloo; tests/test_integrations_trl.py starts it once and checks what it writes).
 
-A tiny Qwen2 (2 layers, hidden 32) and a character tokenizer are built here, nothing is downloaded. Two runs:
+A tiny Qwen2 (2 layers, hidden 32) and a character tokenizer are built (examples/integrations/trl_grpo_laconic.py),
+nothing is downloaded. Two runs:
 
 - run ``full``: ``max_steps`` optimiser steps, a checkpoint every 2 steps;
 - run ``resumed``: a new trainer and a new plug-in in a new output folder, ``resume_from_checkpoint`` = the
@@ -11,7 +12,7 @@ The task reward records, per call, the completion lengths this process scored (`
 so that the test can rebuild the global batch of every step from both processes' files without the plug-in. Each
 process writes ``<out>/<run>.rank<r>.json``: its plug-in history and final state and the Trainer's log history.
 
-    accelerate launch --num_processes 2 --cpu tests/dist/trl_laconic.py OUT_DIR [--max-steps 4]
+    torchrun --nproc_per_node 2 tests/dist/trl_laconic.py OUT_DIR [--max-steps 4]
 """
 
 from __future__ import annotations
@@ -19,37 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from laconic_nemo.integrations.trl import Laconic
 
-CHARS = list("abcdxyz:Q ")
-BUDGET, ETA, L_MAX = 5, 0.05, 8
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "integrations"))
+from trl_grpo_laconic import tiny_model, tiny_tokenizer  # noqa: E402  (the example's tiny model, one copy)
 
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per character
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def tiny_model(tokenizer) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # make EOS likely enough that the completion lengths vary below L_MAX
-        model.model.embed_tokens.weight[tokenizer.eos_token_id].mul_(4.0)
-    return model
+BUDGET, ETA, CEILING, L_MAX = 5, 0.05, 1.0, 8
 
 
 def run(name: str, out: Path, max_steps: int, resume: str | None) -> None:
@@ -65,7 +47,7 @@ def run(name: str, out: Path, max_steps: int, resume: str | None) -> None:
                                 "lengths": [len(ids) for ids in completion_ids]}) + "\n")
         return [1.0 if "a" in c else 0.0 for c in completions]
 
-    laconic = Laconic(budget=BUDGET, eta=ETA, max_length=L_MAX, ceiling=1.0)
+    laconic = Laconic(budget=BUDGET, eta=ETA, max_length=L_MAX, ceiling=CEILING)
     args = GRPOConfig(
         output_dir=str(out / name), use_cpu=True, report_to="none", seed=3, data_seed=3,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=L_MAX, temperature=1.0,

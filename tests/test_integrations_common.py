@@ -150,3 +150,19 @@ def test_the_base_install_pulls_no_framework_and_importing_the_package_imports_n
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_docs_show_the_lines_the_examples_run_and_the_readme_links_them():
+    docs = (ROOT / "docs" / "integrations.md").read_text()
+    assert "docs/integrations.md" in (ROOT / "README.md").read_text()
+    trl_block = docs.split("The lines a TRL user adds to a GRPO script:", 1)[1].split("```python", 1)[1].split("```")[0]
+    example = (ROOT / "examples" / "integrations" / "trl_grpo_laconic.py").read_text()
+    for line in ("from laconic_nemo.integrations.trl import Laconic", "reward_funcs=[laconic.reward(",
+                 "callbacks=[laconic.callback],", "laconic = Laconic(budget="):
+        assert line in trl_block and line in example, line
+    nemo = (ROOT / "examples" / "integrations" / "nemo_rl_grpo_laconic.py").read_text()
+    attach = "LaconicRewardShaping.from_config(master_config, logger=logger).attach(master_config, checkpointer, grpo_state)"
+    assert attach in docs and attach in nemo
+    verl_lines = re.findall(r"^\s+(\+?algorithm\.[\w.]+=\S+|trainer\.checkpoint_callback_class=\S+)", docs, re.M)
+    script = (ROOT / "examples" / "integrations" / "verl_laconic.sh").read_text()
+    assert len(verl_lines) == 6 and all(x in script for x in verl_lines), verl_lines

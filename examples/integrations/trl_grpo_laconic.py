@@ -61,7 +61,7 @@ def tiny_model(tokenizer, seed: int = 0):
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> tuple[GRPOTrainer, Laconic]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and tokenizer built here, on CPU")
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--output-dir", default="outputs/trl_grpo_laconic")
     p.add_argument("--resume-from-checkpoint", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.tiny:
         tokenizer = tiny_tokenizer()
         model, processing_class = tiny_model(tokenizer), tokenizer
@@ -90,6 +90,7 @@ def main() -> None:
     )
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
     print(f"lambda after {trainer.state.global_step} steps: {laconic.state.lam:.6g}")
+    return trainer, laconic
 
 
 if __name__ == "__main__":

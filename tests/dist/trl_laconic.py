@@ -6,7 +6,8 @@ nothing is downloaded. Two runs:
 
 - run ``full``: ``max_steps`` optimiser steps, a checkpoint every 2 steps;
 - run ``resumed``: a new trainer and a new plug-in in a new output folder, ``resume_from_checkpoint`` = the
-  full run's ``checkpoint-2``, to the same ``max_steps``.
+  full run's ``checkpoint-2``, to the same ``max_steps``;
+- the documented example (examples/integrations/trl_grpo_laconic.py ``--tiny``) for 2 steps.
 
 The task reward records, per call, the completion lengths this process scored (``<out>/<run>.lengths.rank<r>.jsonl``),
 so that the test can rebuild the global batch of every step from both processes' files without the plug-in. Each
@@ -29,7 +30,8 @@ from trl import GRPOConfig, GRPOTrainer
 from laconic_nemo.integrations.trl import Laconic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "integrations"))
-from trl_grpo_laconic import tiny_model, tiny_tokenizer  # noqa: E402  (the example's tiny model, one copy)
+import trl_grpo_laconic  # noqa: E402  (the documented example; its tiny model and tokenizer, one copy)
+from trl_grpo_laconic import tiny_model, tiny_tokenizer  # noqa: E402
 
 BUDGET, ETA, CEILING, L_MAX = 5, 0.05, 1.0, 8
 
@@ -74,6 +76,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     run("full", out, a.max_steps, None)
     run("resumed", out, a.max_steps, str(out / "full" / "checkpoint-2"))
+    # the documented example, as a user runs it (--tiny), in these same two processes
+    trainer, laconic = trl_grpo_laconic.main(["--tiny", "--max-steps", "2", "--output-dir", str(out / "example")])
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"example.rank{rank}.json").write_text(json.dumps({
+        "global_step": trainer.state.global_step, "history": laconic.history,
+        "logged_lambda": [e["laconic/lambda"] for e in trainer.state.log_history if "laconic/lambda" in e]}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # CPU virtual environment for the `integrations` test tier (tests/test_integrations_trl.py,
 # tests/test_integrations_verl.py): this package with its [trl] extra (TRL 1.16.0, accelerate, datasets), and
 # verl 0.9.1 installed WITHOUT its dependencies (ray[default], vLLM, wandb, flash-attn, ...) plus the few packages
-# that its advantage registry, trainer helpers and checkpoint callback import; none of them needs a GPU.
+# that its advantage registry, trainer functions and checkpoint callback import; none of them needs a GPU.
 #
 #   bash containers/cpu_integrations_venv.sh .venv-integrations
 #   LACONIC_INTEGRATIONS_REQUIRED=1 PYTHONPATH=$PWD .venv-integrations/bin/python -m pytest -q \

@@ -1,6 +1,6 @@
 """The verl plug-in (laconic_nemo/integrations/verl.py) through verl 0.9.1's own functions on CPU.
 
-verl's registry and trainer helpers import on CPU without GPUs, vLLM or a Ray cluster (installed with
+verl's registry and trainer functions import on CPU without GPUs, vLLM or a Ray cluster (installed with
 ``pip install --no-deps verl==0.9.1`` plus the few packages they import, containers/cpu_integrations_venv.sh), so
 the tests run the real ``core_algos`` registry, the v1 trainer's ``compute_advantage_for_multi_trajectories`` ->
 ``ray_trainer.compute_advantage`` -> our estimator -> verl's own ``grpo`` estimator, verl's

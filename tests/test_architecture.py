@@ -25,6 +25,8 @@ ALLOWED = {
     "grpo": {"grpo", "core", "data", "rewards", "config", "faults", "tokenizer_checks"},
     "rollout": {"rollout", "bridge", "grpo.interfaces"},
     "actors": {"actors", "bridge", "kernels", "megatron_env", "rollout", "grpo.interfaces"},
+    # the plug-ins for other frameworks: the core's formulas and their framework, nothing else of the project
+    "integrations": {"integrations", "core"},
 }
 # the only modules that may import the entry points (laconic_nemo.app)
 APP_IMPORTERS = {"app", "cli", "nemo_entry", "launch_plan", "eval"}
@@ -86,6 +88,8 @@ def test_every_module_keeps_to_the_import_rule():
     ("actors", "from laconic_nemo.grpo import trainer\n", "(actors) imports laconic_nemo.grpo.trainer"),
     ("data", "from . import sampler\nfrom laconic_nemo.rewards import extract_answer\n",
      "(data) imports laconic_nemo.rewards.extract_answer"),
+    ("integrations", "from laconic_nemo.grpo.trainer import GRPOTrainer\n",
+     "(integrations) imports laconic_nemo.grpo.trainer"),
 ])
 def test_the_rule_catches_a_forbidden_import(tmp_path, unit, source, needle):
     """The checker itself: a planted module of ``unit`` with a forbidden import is reported (line and module)."""

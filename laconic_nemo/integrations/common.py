@@ -1,0 +1,185 @@
+"""What the framework plug-ins share: the LACONIC settings, the Lagrangian reward of one batch and the Lagrange
+multipliers with their checkpoint format.
+
+This is the one module of :mod:`laconic_nemo.integrations` that imports :mod:`laconic_nemo.core`; the TRL, verl and
+NeMo-RL adapters call the formulas only through :class:`LaconicState`, so none of them spells out a cost, a reward
+or a dual step.
+
+State format (what each framework's checkpoint holds, JSON-safe plain scalars)::
+
+    {"format": "laconic-multipliers/1",
+     "multipliers": {"length": DualController.state_dict()}}
+
+``multipliers`` is keyed by constraint name. Today there is one, ``length`` (the paper's lambda on the mean response
+length). A constraint added later is one more key: a checkpoint that holds fewer multipliers than the run restores
+those it holds and leaves the others at their initial value, so adding a constraint never breaks resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from laconic_nemo.core import SHAPERS, DualController, Shaper
+from laconic_nemo.core.dual import DualSettingError
+
+__all__ = ["LENGTH", "STATE_FORMAT", "LaconicSettings", "LaconicState", "dual_shapers"]
+
+STATE_FORMAT = "laconic-multipliers/1"
+LENGTH = "length"  # the multiplier of the mean-length constraint (the paper's lambda)
+
+
+def dual_shapers() -> tuple[str, ...]:
+    """The registered shapers whose lambda comes from the dual step (``laconic``, ``linear``): the ones a plug-in
+    offers. The others either have no multiplier or need the whole group at once (``efficient``)."""
+    return tuple(name for name, fn in SHAPERS.items() if fn.lam == "dual")
+
+
+@dataclass(frozen=True)
+class LaconicSettings:
+    """The LACONIC settings of a plug-in, named as the ``laconic:`` keys of a recipe (docs/algorithm.md).
+
+    budget: B, tokens. eta: dual step size. ceiling: Lambda (None: B / (max_length - B) when max_length is given,
+    else no upper clip). max_length: L_max, the generation limit (a response of that length counts as truncated).
+    lambda_init / floor: initial lambda and lower clip. shaper: ``laconic`` (clipped cost) or ``linear`` (the
+    cost ablation). penalty_cap / hit_cap: the authors' code knobs. controller / kp / kd: ``integral`` (the
+    paper) or ``pid``.
+    """
+
+    budget: float
+    eta: float
+    ceiling: float | None = None
+    max_length: int | None = None
+    lambda_init: float = 0.0
+    floor: float = 0.0
+    shaper: str = "laconic"
+    penalty_cap: float | None = None
+    hit_cap: float = 0.0
+    controller: str = "integral"
+    kp: float = 0.0
+    kd: float = 0.0
+
+    def __post_init__(self) -> None:
+        allowed = dual_shapers()
+        if self.shaper not in allowed:
+            raise ValueError(f"laconic.shaper must be one of {', '.join(allowed)} (the shapers with a dual step), "
+                             f"got {self.shaper!r}")
+        if self.penalty_cap is not None and not (isinstance(self.penalty_cap, (int, float)) and self.penalty_cap > 0):
+            raise ValueError(f"laconic.penalty_cap must be a number > 0 or null, got {self.penalty_cap!r}")
+        if isinstance(self.hit_cap, bool) or not isinstance(self.hit_cap, (int, float)) or not self.hit_cap >= 0:
+            raise ValueError(f"laconic.hit_cap must be a number >= 0, got {self.hit_cap!r}")
+        try:
+            self.controller_for()
+        except DualSettingError as e:  # names the controller's argument; say which settings key it is
+            key = {"init": "lambda_init"}.get(e.key, e.key)
+            raise ValueError(f"laconic.{key} must be {e.allowed}, got {e.value!r}") from None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "laconic") -> LaconicSettings:
+        """Build from a config section (a dict, an OmegaConf node); an unknown key is refused by name."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown config key '{where}.{unknown[0]}' (known keys here: {', '.join(known)})")
+        for key in ("budget", "eta"):
+            if key not in values:
+                raise ValueError(f"config key '{where}.{key}' is required")
+        try:
+            return cls(**{k: values[k] for k in known if k in values})
+        except ValueError as e:  # the checks name laconic.<key>: name the section the values came from
+            message = str(e)
+            raise ValueError(where + message[len("laconic"):] if message.startswith("laconic.") else message) from None
+
+    def controller_for(self) -> DualController:
+        """A fresh controller of the length multiplier (checks every setting)."""
+        return DualController(budget=self.budget, eta=self.eta, ceiling=self.ceiling, max_length=self.max_length,
+                              init=self.lambda_init, floor=self.floor, controller=self.controller, kp=self.kp,
+                              kd=self.kd)
+
+
+class LaconicState:
+    """The Lagrange multipliers of one run and the Lagrangian reward they price.
+
+    Every process of a data-parallel run holds one; fed the same global mean length, they stay equal bit for bit
+    (the dual step is float64 Python arithmetic in a fixed order, core/dual.py).
+    """
+
+    def __init__(self, settings: LaconicSettings):
+        self.settings = settings
+        self.multipliers: dict[str, DualController] = {LENGTH: settings.controller_for()}
+        self._shaper = Shaper(name=settings.shaper, budget=float(settings.budget),
+                              max_length=None if settings.max_length is None else float(settings.max_length),
+                              penalty_cap=settings.penalty_cap, hit_cap=float(settings.hit_cap))
+
+    @property
+    def lam(self) -> float:
+        """The current lambda of the length constraint."""
+        return self.multipliers[LENGTH].value
+
+    @property
+    def num_steps(self) -> int:
+        """Dual steps taken so far (restored with the state)."""
+        return self.multipliers[LENGTH].num_updates
+
+    def lagrangian_reward(self, rewards: torch.Tensor | Sequence[float], lengths: torch.Tensor | Sequence[int],
+                          truncated: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """``r - min(lambda * c(L), penalty_cap) - hit_cap * 1[truncated]`` with the current lambda.
+
+        Args:
+            rewards: [N] task rewards r. lengths: [N] response lengths L in tokens.
+            truncated: [N] bool, True where the response hit L_max; None = ``L >= max_length``.
+
+        Returns:
+            float64 tensor [N] and the shaper's batch metrics (Python floats: mean_length, frac_over_budget,
+            mean_cost, mean_penalty, ...) over these N responses.
+        """
+        r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
+        L = torch.as_tensor(lengths).reshape(-1)
+        # The Lagrangian shapers price each response alone; the group enters only the framework's advantage,
+        # so the batch is handed over as N groups of one.
+        return self._shaper(r, L, truncated, 1, self.lam)
+
+    def dual_step(self, global_mean_length: float) -> float:
+        """One dual step of every multiplier with the mean response length of the WHOLE global batch; the new
+        lambda."""
+        if isinstance(global_mean_length, bool) or not math.isfinite(float(global_mean_length)):
+            raise ValueError(f"global_mean_length must be a finite number of tokens, got {global_mean_length!r}")
+        return self.multipliers[LENGTH].update(float(global_mean_length))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state (module docstring)."""
+        return {"format": STATE_FORMAT, "multipliers": {k: c.state_dict() for k, c in self.multipliers.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> list[str]:
+        """Restore the multipliers this run has from ``state``; return the names restored.
+
+        A multiplier of this run that ``state`` lacks keeps its initial value (a constraint added after that
+        checkpoint). With ``strict`` a multiplier of ``state`` that this run does not define, or a controller
+        setting that differs (budget, eta, ceiling, floor, gains), raises ValueError naming it; without, the
+        unknown multiplier is ignored and the restored lambda is clipped into this run's [floor, ceiling].
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"not a LACONIC multiplier state: format {found!r}, expected {STATE_FORMAT!r}")
+        saved = state.get("multipliers")
+        if not isinstance(saved, Mapping):
+            raise ValueError("LACONIC multiplier state is missing key 'multipliers'")
+        extra = sorted(set(saved) - set(self.multipliers))
+        if extra and strict:
+            raise ValueError(f"checkpoint holds multiplier {extra[0]!r} that this run does not define (this run: "
+                             f"{', '.join(self.multipliers)})")
+        restored = []
+        for name, controller in self.multipliers.items():
+            if name in saved:
+                try:
+                    controller.load_state_dict(saved[name], strict=strict)
+                except ValueError as e:  # the core's hint names the project's own resume key: not this one
+                    reason = str(e).split(" (to keep this run's settings")[0]
+                    raise ValueError(f"multiplier {name!r}: {reason} (to keep this run's settings, restore with "
+                                     "strict=False)") from None
+                restored.append(name)
+        return restored

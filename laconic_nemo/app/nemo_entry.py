@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER
+from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
 from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
 
 END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
@@ -172,8 +173,9 @@ def apply_end_strings(model, requested: list[str] | None) -> list[str]:
 
 
 def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
-    """Convert ``hf_model`` to ``model.path`` if that .nemo is missing (written under a temporary name,
-    renamed when complete, so an interrupted conversion is redone)."""
+    """Convert ``hf_model`` to ``model.path`` if that .nemo is missing: one conversion per target at a time across
+    jobs, in a scratch folder of its own, renamed onto ``model.path`` when complete
+    (:func:`laconic_nemo.convert_qwen2.convert_to_target`). ``run(command) -> exit status`` runs the converter."""
     if cfg.model.source != "nemo":
         print(f"prepare: model.source = {cfg.model.source}: nothing to convert")
         return 0
@@ -187,18 +189,49 @@ def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
     if not Path(hf_model).exists():
         print(f"prepare: --hf-model {hf_model} does not exist", file=sys.stderr)
         return 2
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.stem + ".partial" + target.suffix)
-    cmd = conversion_command(hf_model, str(partial),
-                             "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision))
-    print("prepare: " + " ".join(cmd), flush=True)
-    rc = run(cmd)
-    if rc != 0:
-        print(f"prepare: conversion failed with exit code {rc}", file=sys.stderr)
-        return rc
-    os.replace(partial, target)
-    print(f"prepare: wrote {target}")
-    return 0
+    precision = "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision)
+
+    def convert(out: Path) -> int:
+        cmd = conversion_command(hf_model, str(out), precision)
+        print("prepare: " + " ".join(cmd), flush=True)
+        return run(cmd)
+
+    try:
+        return convert_to_target(target, convert, log=lambda msg: print(msg, flush=True))
+    except ConversionBusy as exc:
+        print(f"prepare: {exc}", file=sys.stderr)
+        return 1
+
+
+EXPORT_DIR = "export"
+EXPORT_NEMO = "policy.nemo"
+
+
+def export_policy_nemo(model, output_dir: str | Path, rank: int) -> Path:
+    """Collective (every rank): ``model.save_to`` the final policy as ``<output_dir>/export/policy.nemo``.
+
+    NeMo's ``NLPSaveRestoreConnector.save_to(model, path)`` writes the distributed checkpoint to
+    ``dirname(path)/model_weights`` on every rank, then rank 0 packs it into ``path``
+    (``nemo/collections/nlp/parts/nlp_overrides.py:1068-1085,1127-1168``, nemo-toolkit 2.2.1), and megatron-core
+    refuses a ``model_weights`` that is not empty (``megatron/core/dist_checkpointing/serialization.py:353-356``).
+    An export interrupted after that first write would make the resumed run's export fail. So the save goes into
+    ``export/.policy.nemo.scratch/`` (rank 0 empties it first: only one run uses an output directory, it holds
+    ``run.lock``), and rank 0 renames the packed .nemo onto ``export/policy.nemo``. Returns that path."""
+    from laconic_nemo.grpo.checkpoint import barrier
+
+    export = Path(output_dir) / EXPORT_DIR
+    scratch = export / f".{EXPORT_NEMO}.scratch"
+    if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+    barrier()
+    model.save_to(str(scratch / EXPORT_NEMO))
+    barrier()
+    if rank == 0:
+        os.replace(scratch / EXPORT_NEMO, export / EXPORT_NEMO)
+        shutil.rmtree(scratch, ignore_errors=True)
+    barrier()
+    return export / EXPORT_NEMO
 
 
 def nemo_resume_path(cfg: DictConfig) -> str | None:
@@ -286,9 +319,8 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     try:
         code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor))
-        if code == 0:
-            export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
-            model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
+        if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
+            export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:
         if lock is not None:
             lock.release()

@@ -1,0 +1,206 @@
+"""The cluster path through NeMo's own code on CPU (pytest marker `nemo`: nemo-toolkit 2.2.1 + nemo-aligner 0.7.0):
+the HF -> .nemo conversion of ``prepare`` (one conversion per target, jobs at once, a job killed while it saves)
+and the final ``.nemo`` export, both through NeMo's ``NLPSaveRestoreConnector.save_to`` on a real tiny
+``MegatronGPTModel``."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from laconic_nemo.config import load_config
+from tests.test_nemo_aligner import (  # noqa: F401  (fixtures)
+    _nemo_gpt_model,
+    _torch_dist_writer_for_this_torch,
+    cpu_cuda_shims,
+    gloo_world,
+    nemo_skip,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+HANG_GUARD_S = 900.0  # generous: only against a hang (the machine is shared; no assertion on time)
+
+
+def _wait(cond, what: str, timeout_s: float = HANG_GUARD_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def _nemo_members(path: Path) -> list[str]:
+    with tarfile.open(path) as tar:
+        return sorted(n.lstrip("./") for n in tar.getnames() if n not in (".", "./"))
+
+
+def _assert_complete_nemo(path: Path, hidden: int) -> None:
+    """A .nemo NeMo packed whole: its config and a distributed checkpoint with metadata and shards."""
+    members = _nemo_members(path)
+    assert "model_config.yaml" in members and "model_weights/metadata.json" in members, members
+    assert any(m.startswith("model_weights/") and m.endswith(".distcp") for m in members), members
+    with tarfile.open(path) as tar:
+        config = next(tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("model_config.yaml"))
+    assert f"hidden_size: {hidden}" in config
+
+
+# ---------------------------------------------------------------------------------------------- prepare: conversions
+def _conversion_job(name: str, target: Path, hf: str, root: Path, hold: bool) -> None:
+    """One Slurm job's ``prepare`` step, in a forked process of its own (its own process group, like an srun step):
+    ``laconic_nemo.app.nemo_entry.prepare`` with a converter that does what NeMo's
+    ``convert_qwen2_hf_to_nemo.py`` (v2.2.1, lines 300-309) does last: build the ``MegatronGPTModel``, set an
+    ``NLPSaveRestoreConnector`` and ``model.save_to(--output_path)``. ``hold``: after NeMo has written the
+    distributed checkpoint (``model_weights``) and before it packs the .nemo, signal ``<name>.saved`` and wait for
+    ``<name>.release`` (the test kills or releases the job there)."""
+    os.setpgrp()
+    log = open(root / f"{name}.log", "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    rc = 1
+    try:
+        import torch.distributed as dist
+        from _pytest.monkeypatch import MonkeyPatch
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+        from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
+        from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+
+        from laconic_nemo.app.nemo_entry import prepare
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{root}/{name}.store", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        init_num_microbatches_calculator(rank=0, rampup_batch_size=None, global_batch_size=6, micro_batch_size=3,
+                                         data_parallel_size=1)
+        patch = MonkeyPatch()  # this process only; it ends with the job
+        if hold:
+            save = DistributedCheckpointIO.save_checkpoint
+
+            def save_then_hold(self, checkpoint, path, storage_options=None):
+                save(self, checkpoint, path, storage_options)
+                (root / f"{name}.saved").write_text(str(path))
+                _wait((root / f"{name}.release").exists, f"{name}.release")
+
+            patch.setattr(DistributedCheckpointIO, "save_checkpoint", save_then_hold)
+
+        def convert(cmd: list[str]) -> int:
+            model = _nemo_gpt_model(patch, hf)
+            model._save_restore_connector = NLPSaveRestoreConnector()
+            model.save_to(cmd[cmd.index("--output_path") + 1])
+            return 0
+
+        cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml", [f"model.path={target}"])
+        rc = prepare(cfg, hf, run=convert)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        log.flush()
+    sys.exit(rc)
+
+
+@pytest.mark.nemo
+@pytest.mark.slow
+@nemo_skip
+@pytest.mark.usefixtures("cpu_cuda_shims")
+def test_prepare_one_conversion_per_target_and_after_a_killed_one(monkeypatch, tmp_path):
+    """Two jobs convert the same .nemo at once, then a job is killed while NeMo saves another .nemo of the same
+    folder and the next job converts it. Every conversion goes through NeMo's ``save_to``, which puts the
+    distributed checkpoint in ``dirname(output)/model_weights`` (``nlp_overrides.py:1068-1085``) where
+    megatron-core refuses a non-empty folder (``serialization.py:353-356``): without a private folder per
+    conversion the second job fails there, and so does every conversion after the killed one."""
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    hf = save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1)
+    ck = tmp_path / "checkpoints"
+    target, other = ck / "shared.nemo", ck / "other.nemo"
+    ctx = multiprocessing.get_context("fork")  # NeMo is imported once, here
+
+    def start(name, path, hold):
+        p = ctx.Process(target=_conversion_job, args=(name, path, hf, tmp_path, hold), name=name)
+        p.start()
+        return p
+
+    def log(name):
+        f = tmp_path / f"{name}.log"
+        return f.read_text() if f.exists() else ""
+
+    def finish(p):
+        p.join(HANG_GUARD_S)
+        assert p.exitcode is not None, f"{p.name} hangs"
+        return p.exitcode
+
+    # 1. job a is inside NeMo's save (its weights written, the .nemo not yet packed) when job b starts
+    a = start("a", target, hold=True)
+    _wait(lambda: (tmp_path / "a.saved").exists() or not a.is_alive(), "job a to write its weights")
+    b = start("b", target, hold=False)
+    _wait(lambda: not b.is_alive() or "prepare: waiting for" in log("b"), "job b to finish or wait")
+    (tmp_path / "a.release").touch()
+    assert finish(a) == 0, log("a")
+    assert finish(b) == 0, log("b")
+    _assert_complete_nemo(target, hidden=32)
+    assert "written by another job meanwhile" in log("b") and "convert_qwen2" not in log("b")  # b waited, converted nothing
+    assert sorted(p.name for p in ck.iterdir()) == ["shared.nemo"]  # no lock, scratch folder or model_weights
+
+    # 2. job c is killed (with its whole process group) inside NeMo's save of another .nemo in the same folder
+    c = start("c", other, hold=True)
+    _wait(lambda: (tmp_path / "c.saved").exists() or not c.is_alive(), "job c to write its weights")
+    assert c.is_alive(), log("c")
+    os.killpg(c.pid, signal.SIGKILL)
+    c.join(HANG_GUARD_S)
+    assert c.exitcode == -signal.SIGKILL
+    assert not other.exists()
+    d = start("d", other, hold=False)
+    assert finish(d) == 0, log("d")
+    _assert_complete_nemo(other, hidden=32)
+    assert "took over" in log("d") and "left by an interrupted conversion" in log("d")
+    assert sorted(p.name for p in ck.iterdir()) == ["other.nemo", "shared.nemo"]  # no lock, scratch or model_weights
+
+
+# ---------------------------------------------------------------------------------------------- the final .nemo export
+@pytest.mark.nemo
+@nemo_skip
+@pytest.mark.usefixtures("gloo_world", "cpu_cuda_shims")
+def test_final_export_after_an_interrupted_one(monkeypatch, tmp_path):
+    """The run's last act, ``export/policy.nemo`` through NeMo's ``save_to``, must succeed on a rerun after an
+    export that was interrupted once NeMo had written ``model_weights`` (megatron-core refuses that folder when it
+    is not empty, ``serialization.py:353-356``): what the old ``model.save_to(export/policy.nemo)`` left
+    (``export/model_weights``) and what an interrupted export of this code leaves (its scratch folder)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
+
+    from laconic_nemo.app.nemo_entry import export_policy_nemo
+    from laconic_nemo.export import load_nemo_weights
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1))
+    model._save_restore_connector = NLPSaveRestoreConnector()
+    export = tmp_path / "run" / "export"
+    for leftover in (export / "model_weights", export / ".policy.nemo.scratch" / "model_weights"):
+        leftover.mkdir(parents=True)
+        (leftover / "__0_0.distcp").write_bytes(b"partial")
+    with pytest.raises(CheckpointingException, match="is not empty"):  # the upstream call into that folder
+        model.save_to(str(export / "policy.nemo"))
+
+    path = export_policy_nemo(model, tmp_path / "run", 0)
+    assert path == export / "policy.nemo"
+    _assert_complete_nemo(path, hidden=32)
+    assert not (export / ".policy.nemo.scratch").exists()
+    with tarfile.open(path) as tar:  # the packed weights are the model's
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    saved = load_nemo_weights(tmp_path / "unpacked" / "model_weights")
+    for name, p in model.model.named_parameters():
+        assert torch.equal(saved[name], p.detach()), name
+

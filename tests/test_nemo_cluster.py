@@ -5,6 +5,7 @@ and the final ``.nemo`` export, both through NeMo's ``NLPSaveRestoreConnector.sa
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -204,3 +205,49 @@ def test_final_export_after_an_interrupted_one(monkeypatch, tmp_path):
     for name, p in model.model.named_parameters():
         assert torch.equal(saved[name], p.detach()), name
 
+
+@pytest.mark.nemo
+@nemo_skip
+@pytest.mark.usefixtures("gloo_world", "cpu_cuda_shims")
+def test_export_keeps_the_trained_output_layer_of_a_tied_checkpoint(monkeypatch, tmp_path):
+    """Qwen2.5-Math-1.5B(-Instruct) ties its embeddings (``tie_word_embeddings: true`` in its config.json). NeMo's
+    converter (``convert_qwen2_hf_to_nemo.py`` v2.2.1, lines 284-289) copies HF's ``lm_head.weight`` - the embedding
+    of a tied model - into ``model.output_layer.weight`` of a model built from ``megatron_qwen2_config.yaml``
+    (``share_embeddings_and_output_weights: False``, line 86), so NeMo trains that output layer on its own. The
+    export of such a run must keep the trained layer: the Hugging Face logits equal NeMo's."""
+    import contextlib
+
+    import transformers
+    from megatron.core.tensor_parallel import random as mp_random
+    from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+
+    from laconic_nemo.cli import main as cli_main
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    hf = save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1, tie=True)
+    assert json.loads((Path(hf) / "config.json").read_text())["tie_word_embeddings"] is True
+    model = _nemo_gpt_model(monkeypatch, hf)
+    assert model.cfg.share_embeddings_and_output_weights is False  # as the converter's megatron_qwen2_config.yaml
+    emb, out_w = model.model.embedding.word_embeddings.weight, model.model.output_layer.weight
+    with torch.no_grad():  # the conversion (output layer = the tied embedding), then training moved the layer
+        out_w.copy_(emb + 0.05 * torch.randn_like(emb))
+    monkeypatch.setattr(mp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+    V = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        causal = torch.triu(torch.ones(7, 7, dtype=torch.bool), 1).expand(2, 1, 7, 7)
+        ref = model(tokens, torch.arange(7).expand(2, 7), causal, labels=None)
+
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    nemo_dir = tmp_path / "nemo_ckpt"
+    DistributedCheckpointIO("torch_dist").save_checkpoint({"state_dict": model.sharded_state_dict()}, str(nemo_dir))
+    out = tmp_path / "out"
+    assert cli_main(["export", str(nemo_dir), "--to", "hf", str(out), "--hf-config", hf]) == 0
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf_model(input_ids=tokens).logits
+    assert (got - ref).abs().max() < 1e-5
+    assert torch.equal(hf_model.lm_head.weight, out_w.detach())
+    assert not torch.equal(hf_model.lm_head.weight, hf_model.model.embed_tokens.weight)

@@ -251,3 +251,35 @@ def test_export_keeps_the_trained_output_layer_of_a_tied_checkpoint(monkeypatch,
     assert (got - ref).abs().max() < 1e-5
     assert torch.equal(hf_model.lm_head.weight, out_w.detach())
     assert not torch.equal(hf_model.lm_head.weight, hf_model.model.embed_tokens.weight)
+
+
+# ---------------------------------------------------------------------------------------------- LR schedule length
+@pytest.mark.nemo
+@nemo_skip
+def test_lr_schedule_spans_every_optimiser_step_of_the_run():
+    """NeMo builds the scheduler with ``sched.max_steps = trainer.max_steps`` (``nemo/core/classes/modelPT.py:694``;
+    ``megatron_base_model.py:785-787`` takes the same value) through ``prepare_lr_scheduler``, and the actor steps
+    it once per optimiser step (``NemoAlignerActor.train_step``), rollout batch / minibatch = 2 times per GRPO step
+    here. With a decay (min_lr below lr) every optimiser step of the run must train at a learning rate above
+    min_lr, reaching min_lr only after the last one."""
+    from nemo.core.optim.lr_scheduler import prepare_lr_scheduler
+    from omegaconf import OmegaConf
+
+    from laconic_nemo.app.nemo_entry import build_nemo_config
+
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                      ["run.num_steps=3", "grpo.num_prompts_per_step=4", "grpo.group_size=4", "grpo.minibatch_size=8",
+                       "optim.warmup_steps=1"])
+    ncfg = build_nemo_config(cfg, 1, 1, ["model.optim.sched.min_lr=0.0"])
+    sched_cfg = OmegaConf.to_container(ncfg.model.optim.sched, resolve=True)
+    sched_cfg["max_steps"] = ncfg.trainer.max_steps  # modelPT.py:694
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(ncfg.model.optim.lr))
+    sched = prepare_lr_scheduler(opt, sched_cfg)["scheduler"]
+    used = []
+    for _ in range(3 * 2):  # run.num_steps GRPO steps x 2 optimiser steps: train_step's optimizer.step(), scheduler.step()
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert min(used) > 0.0, used
+    assert used[2:] == sorted(used[2:], reverse=True)  # after the warm-up: cosine decay over the whole run
+    assert opt.param_groups[0]["lr"] == 0.0  # min_lr once the run's last optimiser step is done

@@ -69,6 +69,11 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
     world = int(nodes) * int(gpus_per_node)
     dp = world // (tp * pp)
     samples_per_rank = int(g.num_prompts_per_step) * int(g.group_size) // max(dp, 1)
+    # NeMo sets the LR scheduler's length to trainer.max_steps (nemo/core/classes/modelPT.py:694, after
+    # megatron_base_model.py:785-787), and NemoAlignerActor.train_step steps it once per optimiser step:
+    # rollout batch / minibatch of them per GRPO step
+    optimiser_steps = int(cfg.run.num_steps) * (int(g.num_prompts_per_step) * int(g.group_size)
+                                                // int(g.minibatch_size))
     trt_llm = {"enable": False, "reshard": False, "model_type": "llama", "unload_engine_train": False,
                "max_input_len": 1024, "seed": int(cfg.run.seed)}
     precision = {"bf16": "bf16", "fp16": 16, "fp32": 32}[str(cfg.model.precision)]
@@ -76,7 +81,7 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
         "trainer": {
             "num_nodes": int(nodes), "devices": int(gpus_per_node), "accelerator": "gpu", "precision": precision,
             "logger": False, "enable_checkpointing": False, "use_distributed_sampler": False, "max_time": None,
-            "max_epochs": 1, "max_steps": int(cfg.run.num_steps), "gradient_clip_val": float(o.grad_clip),
+            "max_epochs": 1, "max_steps": optimiser_steps, "gradient_clip_val": float(o.grad_clip),
             "reinforce": {"trt_llm": trt_llm},
         },
         "exp_manager": {

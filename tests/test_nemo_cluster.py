@@ -1,7 +1,8 @@
-"""The cluster path through NeMo's own code on CPU (pytest marker `nemo`: nemo-toolkit 2.2.1 + nemo-aligner 0.7.0):
+"""The cluster path. Through NeMo's own code on CPU (pytest marker `nemo`: nemo-toolkit 2.2.1 + nemo-aligner 0.7.0):
 the HF -> .nemo conversion of ``prepare`` (one conversion per target, jobs at once, a job killed while it saves)
 and the final ``.nemo`` export, both through NeMo's ``NLPSaveRestoreConnector.save_to`` on a real tiny
-``MegatronGPTModel``."""
+``MegatronGPTModel``; the export of a run whose NeMo model has its own output layer; the LR schedule's length.
+Without NeMo: a preemption signal during the NeMo entry point's start-up."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import tarfile
 import time
@@ -283,3 +285,32 @@ def test_lr_schedule_spans_every_optimiser_step_of_the_run():
     assert min(used) > 0.0, used
     assert used[2:] == sorted(used[2:], reverse=True)  # after the warm-up: cosine decay over the whole run
     assert opt.param_groups[0]["lr"] == 0.0  # min_lr once the run's last optimiser step is done
+
+
+# ---------------------------------------------------------------------------------------------- start-up signal
+ENTRY_WITH_SIGNAL_DURING_START_UP = """
+import os, signal, sys
+import laconic_nemo.app.nemo_entry as entry
+import laconic_nemo.grpo.run_lock as run_lock
+check = run_lock.check_free
+def check_free(*args, **kwargs):  # Slurm's notice arrives while the entry point starts up
+    os.kill(os.getpid(), signal.SIG{sig})
+    return check(*args, **kwargs)
+run_lock.check_free = check_free
+sys.exit(entry.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_entry_stops_with_status_3_on_a_signal_during_start_up(tmp_path, sig):
+    """``launch/submit.sh`` requeues a job only when the train step exits 3. A SIGUSR1 / SIGTERM that reaches the
+    NeMo entry point before the trainer installs its handler must end a lone process with 3, not with the signal's
+    default action (the process killed, status 128 + signal, no requeue)."""
+    recipe = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, "-c", ENTRY_WITH_SIGNAL_DURING_START_UP.format(sig=sig), recipe,
+                          f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
+                         timeout=HANG_GUARD_S)
+    assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
+    assert f"stopped on signal {int(getattr(signal, 'SIG' + sig))} during start-up" in out.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started

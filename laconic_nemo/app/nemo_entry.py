@@ -27,8 +27,8 @@ that are single tokens of the loaded tokenizer (:func:`laconic_nemo.tokenizer_ch
 a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
 not a single token (NeMo would decode every row at every step to look for it).
 
-Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint
-(``launch/submit.sh`` requeues the job).
+Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint, or during the
+start-up before there was anything to save (``launch/submit.sh`` requeues the job).
 """
 
 from __future__ import annotations
@@ -42,11 +42,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from laconic_nemo.app.train_cli import _EARLY_SIGNAL, _install_early_stop
 from laconic_nemo.config import ConfigError, load_config
 from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
 from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
 
 END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
+
+
+def early_signal() -> int | None:
+    """The first SIGUSR1 / SIGTERM received during the start-up (before the trainer's own handler), or None."""
+    return _EARLY_SIGNAL[0] if _EARLY_SIGNAL else None
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -323,7 +329,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     try:
-        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor))
+        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal())
         if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
             export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:
@@ -351,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("SLURM_PROCID", "0")) != 0:
             return 0
         return prepare(cfg, args.hf_model)
+    # From here on a SIGUSR1 / SIGTERM (Slurm's notice, relayed to every task by launch/submit.sh) is kept and
+    # honoured once the ranks can agree to stop (app/run.py), as `laconic-nemo train` does; during the start-up
+    # (NeMo's imports, the model load) its default action would end the process with a status other than 3, and
+    # the job would not be requeued.
+    _install_early_stop()
     from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free
 
     try:  # every rank, before anything is loaded: another live run holds run.output_dir
@@ -358,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     except OutputDirLocked as exc:
         print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
         return 2
+    if early_signal() is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # a lone process stops at once; the ranks of a multi-rank run go on to the trainer, which stops them together
+        print(f"laconic_nemo.nemo_entry: stopped on signal {early_signal()} during start-up; nothing to save yet",
+              file=sys.stderr)
+        return 3
     if cfg.model.source != "nemo":
         from laconic_nemo.app.train_cli import train
 

@@ -283,6 +283,30 @@ def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_
     assert any("import megatron.core" in line and "helpers_cpp" in line for line in lines[build:])
 
 
+# NeMo in the NGC NeMo Framework containers: the NeMo Framework changelog's "NeMo Framework 25.02.01" entry
+# (docs.nvidia.com/nemo-framework/user-guide/latest/changelog.html) is the "NVIDIA Neural Modules 2.2.1" highlights
+# of NeMo's CHANGELOG.md (tag v2.2.1, 2025-03-31: MoE training instability, Llama 3.2 exporter, LoRA
+# linear_fc1 adapter); 25.02 predates it and carries v2.2.0 (2025-03-12).
+NEMO_IN_CONTAINER = {"nvcr.io/nvidia/nemo:25.02": "2.2.0", "nvcr.io/nvidia/nemo:25.02.01": "2.2.1"}
+
+
+def test_nemo_image_ships_the_nemo_the_actor_targets():
+    """containers/Dockerfile's default base image carries the nemo-toolkit the NeMo-Aligner actor names as its target
+    (actors/nemo_aligner.TARGET_VERSIONS, the version the nemo test tier installs), and the documents name that
+    image."""
+    from laconic_nemo.actors.nemo_aligner import TARGET_VERSIONS
+
+    docker = (ROOT / "containers" / "Dockerfile").read_text()
+    base = re.findall(r"^ARG BASE_IMAGE=(\S+)$", docker, re.M)
+    assert len(base) == 1 and base[0] in NEMO_IN_CONTAINER, base
+    assert NEMO_IN_CONTAINER[base[0]] == TARGET_VERSIONS["nemo_toolkit"]
+    assert f'"nemo-toolkit[nlp]=={TARGET_VERSIONS["nemo_toolkit"]}"' in (ROOT / "containers" / "cpu_nemo_venv.sh").read_text()
+    tag = base[0].split(":", 1)[1]
+    for doc in ("README.md", "containers/README.md", "docs/cluster.md", "laconic_nemo/actors/nemo_aligner.py"):
+        text = (ROOT / doc).read_text()
+        assert f"nvcr.io/nvidia/nemo:{tag}`" in text, doc
+
+
 def _wrappers_table():
     """launch/wrappers.py, the table the training wrappers are written from (a script, not a package module)."""
     import importlib.util

@@ -314,3 +314,20 @@ def test_entry_stops_with_status_3_on_a_signal_during_start_up(tmp_path, sig):
     assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
     assert f"stopped on signal {int(getattr(signal, 'SIG' + sig))} during start-up" in out.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_checkpoints_record_the_installed_versions():
+    """A checkpoint names the NeMo it was written with (the container's, e.g. 2.2.0 in nemo:25.02), not the target."""
+    import megatron.core
+    import nemo
+    import nemo_aligner
+
+    from laconic_nemo.actors import nemo_aligner as na
+
+    actor = object.__new__(na.NemoAlignerActor)
+    actor._last_saved = "/results/run/checkpoints/nemo/step_000001"
+    versions = actor.state_dict_for_checkpoint()["versions"]
+    assert versions == {"nemo_aligner": nemo_aligner.__version__, "nemo_toolkit": nemo.__version__,
+                        "megatron_core": megatron.core.__version__}

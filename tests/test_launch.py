@@ -142,6 +142,27 @@ def test_crash_after_the_preemption_signal_is_not_requeued(tmp_path):
     assert "not requeueing" in out
 
 
+def test_a_signal_before_training_requeues_without_starting_it(tmp_path):
+    """SIGUSR1 reaching the batch shell during the plan or prepare step (no train step to forward it to yet): bash runs
+    the trap when that step ends; the script then requeues the job instead of starting a train step that would
+    never hear of the signal and run into the time limit."""
+    bin_dir = _fake_bin(tmp_path)
+    log = tmp_path / "calls.log"
+    srun = bin_dir / "srun"
+    srun.write_text(srun.read_text().replace("case \"$*\" in", f'''case "$*" in
+  *"laconic_nemo plan"*)
+    kill -USR1 "$PPID"; echo "plan signalled" >> {log}; exit 0 ;;''', 1))
+    env = _env(DRY_RUN="0", PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="node-x[1-2]", RESULTS_DIR=str(tmp_path / "results"))
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    calls = log.read_text()
+    assert "plan signalled" in calls and "--prepare" in calls  # the running step is not cut short
+    assert "torch_env.sh" not in calls  # no train step
+    assert "scontrol requeue 777" in calls and out.returncode == 0, out.stdout + out.stderr
+    assert "before training started" in out.stdout
+
+
 def test_requeues_are_capped(tmp_path):
     proc, out, err = _preempt(tmp_path, SLURM_RESTART_COUNT="3", MAX_REQUEUES="3")
     assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
@@ -200,6 +221,30 @@ def test_gpus_per_node_comes_from_the_allocation():
     out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=_env(GPUS_PER_NODE="eight"),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "GPUS_PER_NODE = 'eight'" in out.stderr
+
+
+def _cpus_flags(**slurm) -> tuple[list[str], list[str]]:
+    """The --cpus-per-task flags of the prepare and train srun lines of a dry run inside an allocation like ``slurm``."""
+    _, prepare, train = [shlex.split(c) for c in dry_run("deepseek_b1500.sh", SLURM_JOB_NUM_NODES="2", **slurm)
+                         if c.startswith("srun ")]
+    return ([t for t in prepare if t.startswith("--cpus-per-task")], [t for t in train if t.startswith("--cpus-per-task")])
+
+
+def test_srun_steps_ask_for_their_cpus():
+    """Slurm >= 22.05: srun gives each task one CPU unless the step asks for more (srun(1) -c, "The default is one
+    CPU per process"; sbatch(1): "Beginning with 22.05, srun will not inherit the --cpus-per-task value requested by
+    salloc or sbatch"), and a site that binds tasks by default (CpuBind / TaskPluginParam=cores) then runs each rank
+    on one core. The train step asks for a node's CPUs over its tasks (the smallest node of
+    SLURM_JOB_CPUS_PER_NODE), or the job's own --cpus-per-task; the one-task prepare step for the whole node."""
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)") == (["--cpus-per-task=112"], ["--cpus-per-task=14"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="72,36(x3)") == (["--cpus-per-task=36"], ["--cpus-per-task=4"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="4(x2)") == (["--cpus-per-task=4"], ["--cpus-per-task=1"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)", SLURM_CPUS_PER_TASK="6")[1] == ["--cpus-per-task=6"]
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)", CPUS_PER_TASK="10")[1] == ["--cpus-per-task=10"]
+    assert _cpus_flags() == ([], [])  # outside an allocation: plan's commands, flag for flag
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(SLURM_JOB_CPUS_PER_NODE="112", CPUS_PER_TASK="all"), timeout=60)
+    assert out.returncode == 2 and "CPUS_PER_TASK = 'all'" in out.stderr
 
 
 def _arrays_that_may_be_empty(text: str) -> set[str]:

@@ -331,3 +331,44 @@ def test_checkpoints_record_the_installed_versions():
     versions = actor.state_dict_for_checkpoint()["versions"]
     assert versions == {"nemo_aligner": nemo_aligner.__version__, "nemo_toolkit": nemo.__version__,
                         "megatron_core": megatron.core.__version__}
+
+
+# ---------------------------------------------------------------------------------------------- the conversion lock
+def test_conversion_lock_stale_rules(tmp_path):
+    """Whose conversion lock the next job may take over: the run lock's rules (same host and the process gone, an
+    earlier run of the same Slurm job) and, for a holder on another host, no refresh for STALE_AFTER_S. A live
+    holder makes the next job wait (here: a wait limit of 0 s, so it gives up at once, naming the holder)."""
+    from laconic_nemo.convert_qwen2 import (
+        HEARTBEAT_S,
+        STALE_AFTER_S,
+        ConversionBusy,
+        ConversionLock,
+        conversion_lock_stale,
+        lock_path,
+    )
+    from laconic_nemo.grpo.run_lock import identity
+
+    me = identity()
+    assert HEARTBEAT_S < STALE_AFTER_S
+    live_here = identity(os.getppid())
+    assert conversion_lock_stale(live_here, 0.0, me) is None
+    dead_here = {**live_here, "pid": 2**22 + 7, "start_time": "1"}
+    assert "gone" in conversion_lock_stale(dead_here, 0.0, me)
+    elsewhere = {**live_here, "host": "gpu-b17", "boot_id": "other", "slurm_job_id": "91"}
+    assert conversion_lock_stale(elsewhere, STALE_AFTER_S - 60, me) is None
+    assert "not refreshed" in conversion_lock_stale(elsewhere, STALE_AFTER_S + 60, me)
+    requeued = {**elsewhere, "slurm_job_id": "92", "slurm_restart_count": "0"}
+    assert "earlier run" in conversion_lock_stale(requeued, 0.0, {**me, "slurm_job_id": "92",
+                                                                  "slurm_restart_count": "1"})
+
+    target = tmp_path / "m.nemo"
+    lock_path(target).write_text(json.dumps(live_here))
+    messages = []
+    with pytest.raises(ConversionBusy, match=f"pid {live_here['pid']} on host {live_here['host']}"):
+        ConversionLock(target, messages.append).acquire(wait_limit_s=0.0, poll_s=0.01)
+    assert any("waiting for" in m for m in messages)
+    lock_path(target).write_text(json.dumps(dead_here))  # its holder is gone: taken over, then released
+    lock = ConversionLock(target, messages.append).acquire(wait_limit_s=0.0, poll_s=0.01)
+    assert json.loads(lock_path(target).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not lock_path(target).exists() and sorted(p.name for p in tmp_path.iterdir()) == []

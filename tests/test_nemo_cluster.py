@@ -57,8 +57,25 @@ def _assert_complete_nemo(path: Path, hidden: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- prepare: conversions
+def _cpu_stand_ins(patch) -> None:
+    """What the tests in this tier patch for NeMo on CPU (``cpu_cuda_shims``, ``gloo_world``'s ``Tensor.cuda``, and
+    megatron-core's torch_dist byte writer for this torch)."""
+    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    patch.setattr(torch.cuda, "FloatTensor", lambda data: torch.tensor(data, dtype=torch.float32))
+    patch.setattr(torch.cuda, "LongTensor", lambda data: torch.tensor(data, dtype=torch.long))
+    patch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    patch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _torch_dist_writer_for_this_torch(patch)
+
+
+# Imported once by the fork server the jobs start from (a fresh interpreter: a process forked from pytest would
+# inherit the process groups of earlier tests, whose destructors wait for threads that do not exist after fork).
+FORKSERVER_PRELOAD = ["tests.test_nemo_cluster", "nemo.collections.nlp.models.language_modeling.megatron_gpt_model",
+                      "nemo.collections.nlp.parts.nlp_overrides", "nemo.utils.callbacks.dist_ckpt_io"]
+
+
 def _conversion_job(name: str, target: Path, hf: str, root: Path, hold: bool) -> None:
-    """One Slurm job's ``prepare`` step, in a forked process of its own (its own process group, like an srun step):
+    """One Slurm job's ``prepare`` step, in a process of its own (and its own process group, like an srun step):
     ``laconic_nemo.app.nemo_entry.prepare`` with a converter that does what NeMo's
     ``convert_qwen2_hf_to_nemo.py`` (v2.2.1, lines 300-309) does last: build the ``MegatronGPTModel``, set an
     ``NLPSaveRestoreConnector`` and ``model.save_to(--output_path)``. ``hold``: after NeMo has written the
@@ -86,6 +103,7 @@ def _conversion_job(name: str, target: Path, hf: str, root: Path, hold: bool) ->
         init_num_microbatches_calculator(rank=0, rampup_batch_size=None, global_batch_size=6, micro_batch_size=3,
                                          data_parallel_size=1)
         patch = MonkeyPatch()  # this process only; it ends with the job
+        _cpu_stand_ins(patch)
         if hold:
             save = DistributedCheckpointIO.save_checkpoint
 
@@ -114,8 +132,7 @@ def _conversion_job(name: str, target: Path, hf: str, root: Path, hold: bool) ->
 @pytest.mark.nemo
 @pytest.mark.slow
 @nemo_skip
-@pytest.mark.usefixtures("cpu_cuda_shims")
-def test_prepare_one_conversion_per_target_and_after_a_killed_one(monkeypatch, tmp_path):
+def test_prepare_one_conversion_per_target_and_after_a_killed_one(tmp_path):
     """Two jobs convert the same .nemo at once, then a job is killed while NeMo saves another .nemo of the same
     folder and the next job converts it. Every conversion goes through NeMo's ``save_to``, which puts the
     distributed checkpoint in ``dirname(output)/model_weights`` (``nlp_overrides.py:1068-1085``) where
@@ -123,12 +140,11 @@ def test_prepare_one_conversion_per_target_and_after_a_killed_one(monkeypatch, t
     conversion the second job fails there, and so does every conversion after the killed one."""
     from tests.hf_fixtures import save_tiny_qwen2
 
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    _torch_dist_writer_for_this_torch(monkeypatch)
     hf = save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1)
     ck = tmp_path / "checkpoints"
     target, other = ck / "shared.nemo", ck / "other.nemo"
-    ctx = multiprocessing.get_context("fork")  # NeMo is imported once, here
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
 
     def start(name, path, hold):
         p = ctx.Process(target=_conversion_job, args=(name, path, hf, tmp_path, hold), name=name)

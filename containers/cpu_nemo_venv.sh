@@ -1,10 +1,10 @@
 #!/bin/bash
 # CPU virtual environment with the real nemo-toolkit 2.2.1 / nemo-aligner 0.7.0 / megatron-core 0.11
-# packages, for the `nemo` test tier (tests/test_nemo_aligner.py) on machines without GPUs or the
+# packages, for the `nemo` test tier (tests/test_nemo_aligner.py, tests/test_nemo_cluster.py) on machines without GPUs or the
 # NGC container. About 2.5 minutes with a warm pip cache.
 #
 #   bash containers/cpu_nemo_venv.sh .venv-nemo
-#   PYTHONPATH=$PWD .venv-nemo/bin/python -m pytest tests/test_nemo_aligner.py -m nemo
+#   PYTHONPATH=$PWD .venv-nemo/bin/python -m pytest tests/test_nemo_aligner.py tests/test_nemo_cluster.py -m nemo
 set -euo pipefail
 VENV="${1:-.venv-nemo}"
 python3 -m venv "${VENV}"

@@ -309,7 +309,7 @@ Only true is accepted: separate vLLM GPUs need a weight channel (not implemented
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("megatron", "megatron (in-process sampler) | vllm (GPU) | nemo (NeMo-Aligner generation)")
+    engine: str = opt("megatron", "megatron (in-process sampler) | vllm (GPU, PP = 1) | nemo (NeMo-Aligner generation)")
     max_new_tokens: int = opt(4096, "L_max during training")
     temperature: float = opt(1.0, "sampling temperature; old, new and reference log-probs use it too (verl dp_actor)")
     top_p: float = opt(1.0)
@@ -400,6 +400,13 @@ class Config:
         if lc.shaper == "overlong":
             _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",
                      f"a number of tokens in (0, rollout.max_new_tokens = {lmax}]", lc.overlong_buffer)
+        # vLLM with PP > 1: every pipeline stage would own a whole vLLM engine and sample its own responses (the
+        # engine's tokens are not broadcast across stages as the megatron sampler's are), so the stages could train
+        # on different rollouts
+        _require(self.rollout.engine != "vllm" or self.parallel.pipeline_model_parallel_size == 1, "rollout.engine",
+                 f"megatron with parallel.pipeline_model_parallel_size = {self.parallel.pipeline_model_parallel_size}"
+                 " (the vLLM engine samples on every pipeline stage independently; it needs PP = 1)",
+                 self.rollout.engine)
         _require(not self.checkpoint.export_hf or self.model.source == "hf", "checkpoint.export_hf",
                  f"false with model.source = {self.model.source} (only hf runs have a Hugging Face architecture)",
                  self.checkpoint.export_hf)

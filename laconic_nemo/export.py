@@ -15,10 +15,14 @@ Only runs with ``model.source: hf`` have a Hugging Face architecture; the synthe
 A NeMo-Aligner run (``model.source: nemo``) is exported from its NeMo distributed checkpoint
 (``checkpoints/nemo/step_XXXXXX/model``, or that folder given directly), read by megatron-core's
 ``dist_checkpointing.load``; ``--hf-config`` names the Hugging Face folder its ``.nemo`` was converted from.
+When that folder ties the embeddings (Qwen2.5-Math) but the NeMo checkpoint holds an output layer of its own
+(NeMo's Qwen2 converter always builds an untied model), the trained output layer is written as
+``lm_head.weight`` and the exported ``config.json`` says ``tie_word_embeddings: false``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -255,13 +259,23 @@ def export_nemo_hf(folder: Path, out_dir: str | Path, hf_config: str | None, ckp
         raise ExportError(f"{where}: a NeMo-Aligner checkpoint has no Hugging Face config; pass --hf-config DIR "
                           f"(the folder the .nemo was converted from, with config.json and tokenizer; got {hf_config})")
     arch = arch_from_hf_config(hf_config)
+    weights = load_nemo_weights(folder)
+    config: str | dict = hf_config
+    if arch.tie_word_embeddings and "output_layer.weight" in weights:
+        # NeMo trained an output layer of its own: NeMo's Qwen2 converter builds the model from its
+        # megatron_qwen2_config.yaml (share_embeddings_and_output_weights: False) and fills output_layer.weight
+        # with HF's lm_head.weight, the embedding of a tied checkpoint (Qwen2.5-Math-1.5B). A tied megatron-core
+        # model has no output_layer.weight in its checkpoint (language_module.py, tie_embeddings_and_output_
+        # weights_state_dict). The export keeps the trained layer as lm_head.weight and says so in config.json.
+        arch = dataclasses.replace(arch, tie_word_embeddings=False)
+        config = {**json.loads((Path(hf_config) / "config.json").read_text()), "tie_word_embeddings": False}
     # global tensors: the TP 1 layout
-    hf = _hf_tensors(load_nemo_weights(folder), arch, 1, f"{where}: NeMo checkpoint tensors", hf_config)
+    hf = _hf_tensors(weights, arch, 1, f"{where}: NeMo checkpoint tensors", hf_config)
     shapes = hf_shapes(arch)
     bad = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in hf.items() if tuple(t.shape) != shapes[n]]
     if bad:
         raise ExportError(f"{where}: shapes do not match {hf_config}/config.json: {'; '.join(bad[:3])}")
-    save_safetensors_dir(str(out_dir), hf, config=hf_config, copy_from=hf_config)
+    save_safetensors_dir(str(out_dir), hf, config=config, copy_from=hf_config)
 
 
 MARKER = "exported_from.json"

@@ -26,6 +26,7 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=8
 #SBATCH --time=24:00:00
 #SBATCH --requeue
 #SBATCH --open-mode=append
@@ -73,7 +74,11 @@ CMD=(python -m laconic_nemo eval --model "${RUN}" --name "${NAME}" --backend vll
      --tensor-parallel-size "${TP}" --output-dir "${OUT_DIR}"
      ${BASE_SUMMARY:+--base-summary "${BASE_SUMMARY}"} ${HF_CONFIG:+--hf-config "${HF_CONFIG}"}
      ${EXTRA[@]+"${EXTRA[@]}"})
-SRUN=(srun --nodes=1 --ntasks=1 --gpus-per-node="${TP}" "${SRUN_CONTAINER[@]}" "${CMD[@]}")
+# The job's CPUs (#SBATCH --cpus-per-task: vLLM's engine and tokenizer, the grader's worker processes; inferred)
+# reach the step only when srun asks for them again: since Slurm 22.05 srun does not inherit --cpus-per-task
+# (sbatch(1), --cpus-per-task NOTE), and a task gets one CPU by default (srun(1), -c).
+CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="${SLURM_CPUS_PER_TASK}"})
+SRUN=(srun --nodes=1 --ntasks=1 --gpus-per-node="${TP}" ${CPUS[@]+"${CPUS[@]}"} "${SRUN_CONTAINER[@]}" "${CMD[@]}")
 
 echo "laconic-nemo eval.sh: ${RUN} as '${NAME}' -> ${OUT_DIR} (n ${N_SAMPLES}, TP ${TP}, job ${SLURM_JOB_ID:-dryrun})"
 if [ "${DRY_RUN}" = "1" ]; then

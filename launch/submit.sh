@@ -19,7 +19,9 @@
 #   CONTAINER [/lustre/containers/laconic-nemo-25.02.sqsh], DATA_DIR [/lustre/data],
 #   CKPT_DIR [/lustre/checkpoints], RESULTS_DIR [/lustre/results], MOUNTS [derived from those],
 #   GPUS_PER_NODE [the allocation's SLURM_GPUS_ON_NODE; outside Slurm the #SBATCH --gpus-per-node line, else 8],
-#   MAX_REQUEUES [20], EXTRA_OVERRIDES [none]: extra key=value overrides, DRY_RUN [0]
+#   MAX_REQUEUES [20], EXTRA_OVERRIDES [none]: extra key=value overrides, DRY_RUN [0],
+#   CPUS_PER_TASK [the job's --cpus-per-task, else a node's CPUs / GPUS_PER_NODE]: srun --cpus-per-task of the
+#   train step (the prepare step gets a whole node's CPUs)
 # CONTAINER=none runs every step without pyxis, in the submitting environment (python with this package
 # on its PATH, the repository at REPO_DIR, host paths in the recipe): the srun lines lose only their
 # --container-* flags. tests/slurm submits this way on a machine without pyxis.
@@ -54,6 +56,40 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 if ! [[ "${GPUS_PER_NODE}" =~ ^[1-9][0-9]*$ ]]; then
     echo "laconic-nemo: GPUS_PER_NODE = '${GPUS_PER_NODE}': expected a whole number >= 1" >&2
     exit 2
+fi
+# CPUs per task of the srun steps. Without --cpus-per-task a step's task is allocated one CPU (srun(1), -c: "The
+# default is one CPU per process"), and where the site binds tasks by default (CpuBind, TaskPluginParam; srun(1)
+# --cpu-bind) that task runs on one core: every rank's decoding, reward workers and data loading. Since Slurm 22.05
+# srun also ignores the job's own --cpus-per-task (sbatch(1): "Beginning with 22.05, srun will not inherit the
+# --cpus-per-task value requested by salloc or sbatch"). So the steps ask for their share explicitly: the train
+# step the CPUs of a node (the smallest of the job's nodes, SLURM_JOB_CPUS_PER_NODE) over its tasks, or the job's
+# own --cpus-per-task when it was given one; the one-task prepare step (the CPU-side conversion) the whole node.
+# CPUS_PER_TASK overrides the train step's value. Outside an allocation (dry run) no flag is added.
+cpus_per_node() {
+    local list n min=""
+    list="$(printf '%s' "${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}" | sed 's/([^)]*)//g; s/,/ /g')"
+    for n in ${list}; do
+        if [[ "${n}" =~ ^[0-9]+$ ]] && { [ -z "${min}" ] || [ "${n}" -lt "${min}" ]; }; then
+            min="${n}"
+        fi
+    done
+    echo "${min}"
+}
+CPUS_ON_NODE="$(cpus_per_node)"
+if [ -n "${CPUS_ON_NODE}" ] && [ -z "${CPUS_PER_TASK:-}" ]; then
+    CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-$(( CPUS_ON_NODE / GPUS_PER_NODE > 0 ? CPUS_ON_NODE / GPUS_PER_NODE : 1 ))}"
+fi
+TRAIN_CPUS=()
+PREPARE_CPUS=()
+if [ -n "${CPUS_PER_TASK:-}" ]; then
+    if ! [[ "${CPUS_PER_TASK}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "laconic-nemo: CPUS_PER_TASK = '${CPUS_PER_TASK}': expected a whole number >= 1" >&2
+        exit 2
+    fi
+    TRAIN_CPUS=(--cpus-per-task="${CPUS_PER_TASK}")
+fi
+if [ -n "${CPUS_ON_NODE}" ]; then
+    PREPARE_CPUS=(--cpus-per-task="${CPUS_ON_NODE}")
 fi
 JOB_ID="${SLURM_JOB_ID:-dryrun}"
 RESTART="${SLURM_RESTART_COUNT:-0}"
@@ -145,6 +181,9 @@ trap 'forward_signal USR1' USR1
 trap 'forward_signal TERM' TERM
 
 echo "laconic-nemo: recipe ${RECIPE}, ${NODES} nodes x ${GPUS_PER_NODE} GPUs, job ${JOB_ID} (restart ${RESTART})"
+if [ -n "${CPUS_PER_TASK:-}" ]; then
+    echo "laconic-nemo: ${CPUS_PER_TASK} CPUs per training task (${CPUS_ON_NODE:-?} per node)"
+fi
 echo "laconic-nemo: master ${MASTER_ADDR}:${MASTER_PORT}, logs ${JOB_LOG_DIR}"
 run mkdir -p "${JOB_LOG_DIR}" ${HOST_HOME_DIR:+"${HOST_HOME_DIR}/.cache/triton"}
 
@@ -155,8 +194,8 @@ run srun --nodes=1 --ntasks-per-node=1 "${SRUN_CONTAINER[@]}" --output="${JOB_LO
 
 # 2. prepare: HF -> .nemo conversion when the recipe's .nemo checkpoint is missing (rank 0 only).
 if [ -n "${HF_MODEL}" ]; then
-    run srun --nodes=1 --ntasks-per-node=1 --gpus-per-node=1 "${SRUN_CONTAINER[@]}" \
-        --output="${JOB_LOG_DIR}/prepare.log" \
+    run srun --nodes=1 --ntasks-per-node=1 --gpus-per-node=1 ${PREPARE_CPUS[@]+"${PREPARE_CPUS[@]}"} \
+        "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/prepare.log" \
         python -m laconic_nemo.nemo_entry --prepare --hf-model="${HF_MODEL}" "${RECIPE}" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 fi
 
@@ -167,11 +206,18 @@ TRAIN_CMD=(bash launch/torch_env.sh python -m laconic_nemo.nemo_entry "${RECIPE}
 set +e
 if [ "${DRY_RUN}" = "1" ]; then
     run srun --nodes="${NODES}" --ntasks-per-node="${GPUS_PER_NODE}" --gpus-per-node="${GPUS_PER_NODE}" \
-        "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/train.log" --label "${TRAIN_CMD[@]}"
+        ${TRAIN_CPUS[@]+"${TRAIN_CPUS[@]}"} "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/train.log" --label \
+        "${TRAIN_CMD[@]}"
     STATUS=0
+elif [ "${PREEMPTED}" = "1" ]; then
+    # The signal came during plan / prepare (bash runs the trap once that foreground step has ended): nothing is
+    # trained yet, so the job is requeued at once, with the .nemo written if prepare finished it.
+    echo "laconic-nemo: the signal came before training started; nothing to save"
+    STATUS="${PREEMPTED_EXIT}"
 else
     srun --nodes="${NODES}" --ntasks-per-node="${GPUS_PER_NODE}" --gpus-per-node="${GPUS_PER_NODE}" \
-        "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/train.log" --label "${TRAIN_CMD[@]}" &
+        ${TRAIN_CPUS[@]+"${TRAIN_CPUS[@]}"} "${SRUN_CONTAINER[@]}" --output="${JOB_LOG_DIR}/train.log" --label \
+        "${TRAIN_CMD[@]}" &
     TRAIN_PID=$!
     wait "${TRAIN_PID}"
     STATUS=$?

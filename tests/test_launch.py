@@ -142,6 +142,27 @@ def test_crash_after_the_preemption_signal_is_not_requeued(tmp_path):
     assert "not requeueing" in out
 
 
+def test_a_signal_before_training_requeues_without_starting_it(tmp_path):
+    """SIGUSR1 reaching the batch shell during the plan or prepare step (no train step to forward it to yet): bash runs
+    the trap when that step ends; the script then requeues the job instead of starting a train step that would
+    never hear of the signal and run into the time limit."""
+    bin_dir = _fake_bin(tmp_path)
+    log = tmp_path / "calls.log"
+    srun = bin_dir / "srun"
+    srun.write_text(srun.read_text().replace("case \"$*\" in", f'''case "$*" in
+  *"laconic_nemo plan"*)
+    kill -USR1 "$PPID"; echo "plan signalled" >> {log}; exit 0 ;;''', 1))
+    env = _env(DRY_RUN="0", PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="node-x[1-2]", RESULTS_DIR=str(tmp_path / "results"))
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    calls = log.read_text()
+    assert "plan signalled" in calls and "--prepare" in calls  # the running step is not cut short
+    assert "torch_env.sh" not in calls  # no train step
+    assert "scontrol requeue 777" in calls and out.returncode == 0, out.stdout + out.stderr
+    assert "before training started" in out.stdout
+
+
 def test_requeues_are_capped(tmp_path):
     proc, out, err = _preempt(tmp_path, SLURM_RESTART_COUNT="3", MAX_REQUEUES="3")
     assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
@@ -200,6 +221,30 @@ def test_gpus_per_node_comes_from_the_allocation():
     out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=_env(GPUS_PER_NODE="eight"),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "GPUS_PER_NODE = 'eight'" in out.stderr
+
+
+def _cpus_flags(**slurm) -> tuple[list[str], list[str]]:
+    """The --cpus-per-task flags of the prepare and train srun lines of a dry run inside an allocation like ``slurm``."""
+    _, prepare, train = [shlex.split(c) for c in dry_run("deepseek_b1500.sh", SLURM_JOB_NUM_NODES="2", **slurm)
+                         if c.startswith("srun ")]
+    return ([t for t in prepare if t.startswith("--cpus-per-task")], [t for t in train if t.startswith("--cpus-per-task")])
+
+
+def test_srun_steps_ask_for_their_cpus():
+    """Slurm >= 22.05: srun gives each task one CPU unless the step asks for more (srun(1) -c, "The default is one
+    CPU per process"; sbatch(1): "Beginning with 22.05, srun will not inherit the --cpus-per-task value requested by
+    salloc or sbatch"), and a site that binds tasks by default (CpuBind / TaskPluginParam=cores) then runs each rank
+    on one core. The train step asks for a node's CPUs over its tasks (the smallest node of
+    SLURM_JOB_CPUS_PER_NODE), or the job's own --cpus-per-task; the one-task prepare step for the whole node."""
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)") == (["--cpus-per-task=112"], ["--cpus-per-task=14"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="72,36(x3)") == (["--cpus-per-task=36"], ["--cpus-per-task=4"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="4(x2)") == (["--cpus-per-task=4"], ["--cpus-per-task=1"])
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)", SLURM_CPUS_PER_TASK="6")[1] == ["--cpus-per-task=6"]
+    assert _cpus_flags(SLURM_JOB_CPUS_PER_NODE="112(x2)", CPUS_PER_TASK="10")[1] == ["--cpus-per-task=10"]
+    assert _cpus_flags() == ([], [])  # outside an allocation: plan's commands, flag for flag
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(SLURM_JOB_CPUS_PER_NODE="112", CPUS_PER_TASK="all"), timeout=60)
+    assert out.returncode == 2 and "CPUS_PER_TASK = 'all'" in out.stderr
 
 
 def _arrays_that_may_be_empty(text: str) -> set[str]:
@@ -281,6 +326,30 @@ def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_
     toolchain = [i for i, line in enumerate(lines) if "apt-get install" in line and "g++" in line and "-dev" in line]
     assert toolchain and toolchain[0] < build
     assert any("import megatron.core" in line and "helpers_cpp" in line for line in lines[build:])
+
+
+# NeMo in the NGC NeMo Framework containers: the NeMo Framework changelog's "NeMo Framework 25.02.01" entry
+# (docs.nvidia.com/nemo-framework/user-guide/latest/changelog.html) is the "NVIDIA Neural Modules 2.2.1" highlights
+# of NeMo's CHANGELOG.md (tag v2.2.1, 2025-03-31: MoE training instability, Llama 3.2 exporter, LoRA
+# linear_fc1 adapter); 25.02 predates it and carries v2.2.0 (2025-03-12).
+NEMO_IN_CONTAINER = {"nvcr.io/nvidia/nemo:25.02": "2.2.0", "nvcr.io/nvidia/nemo:25.02.01": "2.2.1"}
+
+
+def test_nemo_image_ships_the_nemo_the_actor_targets():
+    """containers/Dockerfile's default base image carries the nemo-toolkit the NeMo-Aligner actor names as its target
+    (actors/nemo_aligner.TARGET_VERSIONS, the version the nemo test tier installs), and the documents name that
+    image."""
+    from laconic_nemo.actors.nemo_aligner import TARGET_VERSIONS
+
+    docker = (ROOT / "containers" / "Dockerfile").read_text()
+    base = re.findall(r"^ARG BASE_IMAGE=(\S+)$", docker, re.M)
+    assert len(base) == 1 and base[0] in NEMO_IN_CONTAINER, base
+    assert NEMO_IN_CONTAINER[base[0]] == TARGET_VERSIONS["nemo_toolkit"]
+    assert f'"nemo-toolkit[nlp]=={TARGET_VERSIONS["nemo_toolkit"]}"' in (ROOT / "containers" / "cpu_nemo_venv.sh").read_text()
+    tag = base[0].split(":", 1)[1]
+    for doc in ("README.md", "containers/README.md", "docs/cluster.md", "laconic_nemo/actors/nemo_aligner.py"):
+        text = (ROOT / doc).read_text()
+        assert f"nvcr.io/nvidia/nemo:{tag}`" in text, doc
 
 
 def _wrappers_table():

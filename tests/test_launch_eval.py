@@ -56,3 +56,15 @@ def test_eval_script_overrides_and_errors():
     assert _run().returncode != 0  # RUN is required
     bad = _run("/results/x", N_SAMPLES="0")
     assert bad.returncode == 2 and "N_SAMPLES" in bad.stderr
+
+
+def test_eval_step_gets_the_jobs_cpus():
+    """The job asks for CPUs (#SBATCH --cpus-per-task) and the srun step asks for them again: Slurm >= 22.05 does not
+    pass the job's --cpus-per-task on to srun (sbatch(1): "Beginning with 22.05, srun will not inherit the
+    --cpus-per-task value requested by salloc or sbatch"), and a task gets one CPU otherwise (srun(1), -c)."""
+    header = [x for x in SCRIPT.read_text().splitlines() if x.startswith("#SBATCH --cpus-per-task=")]
+    assert len(header) == 1 and int(header[0].split("=")[1]) > 1
+    srun, _ = _eval_args(_run("/results/x", SLURM_CPUS_PER_TASK="8"))
+    assert "--cpus-per-task=8" in srun
+    srun, _ = _eval_args(_run("/results/x"))  # dry run outside an allocation
+    assert not [t for t in srun if t.startswith("--cpus-per-task")]

@@ -262,3 +262,18 @@ def test_plan_refuses_a_folder_the_converter_cannot_read(tmp_path, capsys, broke
 def test_plan_refuses_vllm_on_separate_gpus(capsys):
     assert main(["plan", QWEN3, "--nodes", "4", "--skip-path-checks", "rollout.vllm.colocate=false"]) == 2
     assert "rollout.vllm.colocate" in capsys.readouterr().err
+
+
+def test_vllm_rollouts_refused_with_pipeline_parallelism(capsys):
+    """With the vLLM engine every pipeline stage owns a whole engine and samples on its own:
+    ``MegatronCoreActor._generate_with_engine`` returns each stage's own ``engine.generate`` output, with no
+    broadcast across stages (the megatron sampler broadcasts from the last stage), so at PP > 1 the stages could
+    train on different rollouts. Refused by the config checks (every entry point) and so by ``plan``."""
+    assert load_config(QWEN3).parallel.pipeline_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="rollout.engine = 'vllm' is invalid: allowed megatron with "
+                                          "parallel.pipeline_model_parallel_size = 2"):
+        load_config(QWEN3, ["rollout.engine=vllm"])
+    assert main(["plan", QWEN3, "--nodes", "4", "--skip-path-checks", "rollout.engine=vllm"]) == 2
+    assert "rollout.engine" in capsys.readouterr().err
+    cfg = load_config(QWEN3, ["rollout.engine=vllm", "parallel.pipeline_model_parallel_size=1"])  # PP 1: allowed
+    assert cfg.rollout.engine == "vllm"

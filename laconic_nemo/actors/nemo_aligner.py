@@ -1,7 +1,7 @@
 """GRPO policy actor on NeMo-Aligner (the cluster path for ``.nemo`` checkpoints).
 
 Targets nemo-aligner 0.7.0 with nemo-toolkit 2.2.1 and megatron-core 0.11 (the NGC container
-``nvcr.io/nvidia/nemo:25.02``). It implements :class:`laconic_nemo.grpo.interfaces.PolicyActor` so
+``nvcr.io/nvidia/nemo:25.02.01``; ``nemo:25.02`` ships NeMo 2.2.0, identical in every file used here). It implements :class:`laconic_nemo.grpo.interfaces.PolicyActor` so
 that the same :class:`laconic_nemo.grpo.trainer.GRPOTrainer` drives it as the megatron-core actor;
 NeMo-Aligner's own ``ReinforceTrainer`` is not used.
 
@@ -60,6 +60,7 @@ import torch
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
 
 TARGET_VERSIONS = {"nemo_aligner": "0.7.0", "nemo_toolkit": "2.2.1", "megatron_core": "0.11"}
+_DISTRIBUTIONS = {"nemo_aligner": "nemo-aligner", "nemo_toolkit": "nemo-toolkit", "megatron_core": "megatron-core"}
 SIDECAR = "laconic_state.json"
 # The NeMo checkpoint inside a step folder: save_checkpoint("<folder>/model.ckpt") writes the distributed
 # checkpoint to ckpt_to_dir(...) = "<folder>/model" (NLPDDPStrategy.save_checkpoint), which is also the
@@ -71,6 +72,20 @@ LOSS_METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean")
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
+def installed_versions() -> dict[str, str | None]:
+    """The versions this process runs of the packages in :data:`TARGET_VERSIONS` (None: not installed), as recorded
+    in each checkpoint (the container's NeMo may differ from the target: ``nemo:25.02`` ships 2.2.0)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for key, dist in _DISTRIBUTIONS.items():
+        try:
+            out[key] = version(dist)
+        except PackageNotFoundError:
+            out[key] = None
+    return out
+
+
 def loss_scale(num_microbatches: int, dp_size: int) -> float:
     """Factor that turns Megatron's mean over micro-batches and DP ranks into the SUM the shared loss expects."""
     if num_microbatches < 1 or dp_size < 1:
@@ -472,7 +487,7 @@ class NemoAlignerActor:
         (NeMo's distributed optimiser state is sharded over DP, so no single rank can hold it)."""
         if self._last_saved is None:
             raise RuntimeError("save_sharded_checkpoint must run (on every rank) before the trainer's checkpoint")
-        return {"nemo_checkpoint": self._last_saved, "versions": TARGET_VERSIONS}
+        return {"nemo_checkpoint": self._last_saved, "versions": installed_versions()}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """The NeMo checkpoint was restored by ``init_using_ptl`` before the trainer existed; check it is

@@ -27,25 +27,32 @@ that are single tokens of the loaded tokenizer (:func:`laconic_nemo.tokenizer_ch
 a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
 not a single token (NeMo would decode every row at every step to look for it).
 
-Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint
-(``launch/submit.sh`` requeues the job).
+Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint, or during the
+start-up before there was anything to save (``launch/submit.sh`` requeues the job).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from laconic_nemo.app.train_cli import _EARLY_SIGNAL, _install_early_stop
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER
+from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
 from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
 
 END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
+
+
+def early_signal() -> int | None:
+    """The first SIGUSR1 / SIGTERM received during the start-up (before the trainer's own handler), or None."""
+    return _EARLY_SIGNAL[0] if _EARLY_SIGNAL else None
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -68,6 +75,11 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
     world = int(nodes) * int(gpus_per_node)
     dp = world // (tp * pp)
     samples_per_rank = int(g.num_prompts_per_step) * int(g.group_size) // max(dp, 1)
+    # NeMo sets the LR scheduler's length to trainer.max_steps (nemo/core/classes/modelPT.py:694, after
+    # megatron_base_model.py:785-787), and NemoAlignerActor.train_step steps it once per optimiser step:
+    # rollout batch / minibatch of them per GRPO step
+    optimiser_steps = int(cfg.run.num_steps) * (int(g.num_prompts_per_step) * int(g.group_size)
+                                                // int(g.minibatch_size))
     trt_llm = {"enable": False, "reshard": False, "model_type": "llama", "unload_engine_train": False,
                "max_input_len": 1024, "seed": int(cfg.run.seed)}
     precision = {"bf16": "bf16", "fp16": 16, "fp32": 32}[str(cfg.model.precision)]
@@ -75,7 +87,7 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
         "trainer": {
             "num_nodes": int(nodes), "devices": int(gpus_per_node), "accelerator": "gpu", "precision": precision,
             "logger": False, "enable_checkpointing": False, "use_distributed_sampler": False, "max_time": None,
-            "max_epochs": 1, "max_steps": int(cfg.run.num_steps), "gradient_clip_val": float(o.grad_clip),
+            "max_epochs": 1, "max_steps": optimiser_steps, "gradient_clip_val": float(o.grad_clip),
             "reinforce": {"trt_llm": trt_llm},
         },
         "exp_manager": {
@@ -172,8 +184,9 @@ def apply_end_strings(model, requested: list[str] | None) -> list[str]:
 
 
 def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
-    """Convert ``hf_model`` to ``model.path`` if that .nemo is missing (written under a temporary name,
-    renamed when complete, so an interrupted conversion is redone)."""
+    """Convert ``hf_model`` to ``model.path`` if that .nemo is missing: one conversion per target at a time across
+    jobs, in a scratch folder of its own, renamed onto ``model.path`` when complete
+    (:func:`laconic_nemo.convert_qwen2.convert_to_target`). ``run(command) -> exit status`` runs the converter."""
     if cfg.model.source != "nemo":
         print(f"prepare: model.source = {cfg.model.source}: nothing to convert")
         return 0
@@ -187,18 +200,49 @@ def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
     if not Path(hf_model).exists():
         print(f"prepare: --hf-model {hf_model} does not exist", file=sys.stderr)
         return 2
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.stem + ".partial" + target.suffix)
-    cmd = conversion_command(hf_model, str(partial),
-                             "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision))
-    print("prepare: " + " ".join(cmd), flush=True)
-    rc = run(cmd)
-    if rc != 0:
-        print(f"prepare: conversion failed with exit code {rc}", file=sys.stderr)
-        return rc
-    os.replace(partial, target)
-    print(f"prepare: wrote {target}")
-    return 0
+    precision = "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision)
+
+    def convert(out: Path) -> int:
+        cmd = conversion_command(hf_model, str(out), precision)
+        print("prepare: " + " ".join(cmd), flush=True)
+        return run(cmd)
+
+    try:
+        return convert_to_target(target, convert, log=lambda msg: print(msg, flush=True))
+    except ConversionBusy as exc:
+        print(f"prepare: {exc}", file=sys.stderr)
+        return 1
+
+
+EXPORT_DIR = "export"
+EXPORT_NEMO = "policy.nemo"
+
+
+def export_policy_nemo(model, output_dir: str | Path, rank: int) -> Path:
+    """Collective (every rank): ``model.save_to`` the final policy as ``<output_dir>/export/policy.nemo``.
+
+    NeMo's ``NLPSaveRestoreConnector.save_to(model, path)`` writes the distributed checkpoint to
+    ``dirname(path)/model_weights`` on every rank, then rank 0 packs it into ``path``
+    (``nemo/collections/nlp/parts/nlp_overrides.py:1068-1085,1127-1168``, nemo-toolkit 2.2.1), and megatron-core
+    refuses a ``model_weights`` that is not empty (``megatron/core/dist_checkpointing/serialization.py:353-356``).
+    An export interrupted after that first write would make the resumed run's export fail. So the save goes into
+    ``export/.policy.nemo.scratch/`` (rank 0 empties it first: only one run uses an output directory, it holds
+    ``run.lock``), and rank 0 renames the packed .nemo onto ``export/policy.nemo``. Returns that path."""
+    from laconic_nemo.grpo.checkpoint import barrier
+
+    export = Path(output_dir) / EXPORT_DIR
+    scratch = export / f".{EXPORT_NEMO}.scratch"
+    if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+    barrier()
+    model.save_to(str(scratch / EXPORT_NEMO))
+    barrier()
+    if rank == 0:
+        os.replace(scratch / EXPORT_NEMO, export / EXPORT_NEMO)
+        shutil.rmtree(scratch, ignore_errors=True)
+    barrier()
+    return export / EXPORT_NEMO
 
 
 def nemo_resume_path(cfg: DictConfig) -> str | None:
@@ -285,10 +329,9 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     try:
-        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor))
-        if code == 0:
-            export = Path(cfg.run.output_dir) / "export" / "policy.nemo"
-            model.save_to(str(export))  # collective; rank 0 writes the .nemo (next ThinkPrune stage, evaluation)
+        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal())
+        if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
+            export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:
         if lock is not None:
             lock.release()
@@ -314,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("SLURM_PROCID", "0")) != 0:
             return 0
         return prepare(cfg, args.hf_model)
+    # From here on a SIGUSR1 / SIGTERM (Slurm's notice, relayed to every task by launch/submit.sh) is kept and
+    # honoured once the ranks can agree to stop (app/run.py), as `laconic-nemo train` does; during the start-up
+    # (NeMo's imports, the model load) its default action would end the process with a status other than 3, and
+    # the job would not be requeued.
+    _install_early_stop()
     from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free
 
     try:  # every rank, before anything is loaded: another live run holds run.output_dir
@@ -321,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     except OutputDirLocked as exc:
         print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
         return 2
+    if early_signal() is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # a lone process stops at once; the ranks of a multi-rank run go on to the trainer, which stops them together
+        print(f"laconic_nemo.nemo_entry: stopped on signal {early_signal()} during start-up; nothing to save yet",
+              file=sys.stderr)
+        return 3
     if cfg.model.source != "nemo":
         from laconic_nemo.app.train_cli import train
 

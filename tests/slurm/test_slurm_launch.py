@@ -11,7 +11,9 @@ no --exclusive, so a second job can run beside the first). Checked:
   with the same lambda, and the final metrics.jsonl has every step once and equals an uninterrupted run's;
 * the same when the time limit triggers --signal=B:USR1@100;
 * a second submission into the output dir the first job holds fails (exit 2, "in use") and is not requeued;
-* a rank killed after the signal (a crash, not a checkpoint) ends the job without a requeue.
+* a rank killed after the signal (a crash, not a checkpoint) ends the job without a requeue;
+* the train step runs with the job's 2 CPUs per task (`scontrol show step`: TresPerTask=cpu:2): Slurm 22.05's
+  srun does not pass the job's --cpus-per-task on by itself, launch/submit.sh asks for it.
 
 Steps of the tiny recipe take about a second, while the signal from a time limit comes at slurmctld's next
 periodic check (tens of seconds). So that the signal lands inside a step, as it does on GPUs where a step takes
@@ -49,6 +51,7 @@ WRAPPER = """#!/bin/bash
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
 #SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=2
 #SBATCH --time=30
 #SBATCH --signal=B:USR1@100
 #SBATCH --requeue
@@ -192,6 +195,8 @@ def test_scancel_usr1_checkpoints_requeues_and_resumes_and_a_second_submission_i
     job = run.submit()
     ranks = run.at_step_then_freeze(job)
     assert json.loads((run.out / "run.lock").read_text())["pid"] in ranks
+    steps = [line for line in slurm.cmd("scontrol", "-o", "show", "step", job).stdout.splitlines() if "Tasks=2 " in line]
+    assert len(steps) == 1 and "TresPerTask=cpu:2" in steps[0].split(), steps  # the train step: 2 CPUs per rank
 
     # a second submission into the same output dir while the first job holds it
     second = run.submit()

@@ -25,8 +25,10 @@ def _loop(step, broadcast, compact, prompts, sampling, sampler, stream, sync_eve
 
 @torch.no_grad()
 def model_reference(model, vocab_size: int, prompts, sampling, sampler: str = "exact", stream: int = 0,
-                    sync_every: int = 4, compact: bool = True):
-    """Today's loop on ``model`` (a GPTModel, PP 1) with an ``InferenceParams`` cache."""
+                    sync_every: int = 4, compact: bool = True, causal_mask: bool = False):
+    """Today's loop on ``model`` (a GPTModel, PP 1) with an ``InferenceParams`` cache. causal_mask: hand the
+    prefill its causal mask (True = masked, the values of megatron's ``get_default_causal_mask``) instead of
+    letting megatron's local attention build it on ``device="cuda"`` (a process without the CPU patches)."""
     from megatron.core import tensor_parallel
     from megatron.core.inference_params import InferenceParams
 
@@ -36,8 +38,12 @@ def model_reference(model, vocab_size: int, prompts, sampling, sampler: str = "e
     model.eval()
 
     def step(tokens, start):
-        pos = torch.arange(start, start + tokens.shape[1]).unsqueeze(0).expand(*tokens.shape)
-        out = model(tokens, pos, None, inference_params=params)
+        b, q = tokens.shape
+        pos = torch.arange(start, start + q).unsqueeze(0).expand(b, q)
+        mask = None
+        if causal_mask and q > 1:
+            mask = torch.ones(q, start + q, dtype=torch.bool).triu(start + 1).expand(b, 1, q, start + q)
+        out = model(tokens, pos, mask, inference_params=params)
         params.sequence_len_offset += tokens.shape[1]
         last = out[:, -1, :].float()
         return tensor_parallel.gather_from_tensor_model_parallel_region(last)[:, :vocab_size]

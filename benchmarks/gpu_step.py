@@ -520,7 +520,8 @@ def main(argv=None) -> int:
           f"({params_count(arch) / 1e9:.3f} B params) | {str(dtype).replace('torch.', '')}")
     if peak_meas:
         print(f"# bf16 8192^3 matmul measured: {peak_meas:.0f} TFLOP/s; data-sheet peak {H100_BF16_PEAK / 1e12:.0f}")
-    print(f"# memory bandwidth of the bound: {tbs:.2f} TB/s ({tbs_src}); copy measured in this run {copy_tbs:.2f} TB/s")
+    print(f"# memory bandwidth of the bound: {1e3 * tbs:,.0f} GB/s ({tbs_src}); copy measured in this run "
+          f"{1e3 * copy_tbs:,.0f} GB/s")
 
     # the Hugging Face model with random weights, its state dict feeds the megatron actor
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -622,7 +623,7 @@ def main(argv=None) -> int:
         print("| " + " | ".join(r) + " |")
     print(f"\n# rollout: {n_prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens (EOS id {eos_id}); "
           f"engine rows {engine_rows} (the prompts repeated); train: {train_rows} rows, prompt {prompt_len}, responses "
-          f"300..{max_resp}, micro-batch {args.micro_batch}; bound at {tbs:.2f} TB/s ({tbs_src})")
+          f"300..{max_resp}, micro-batch {args.micro_batch}; bound at {1e3 * tbs:,.0f} GB/s ({tbs_src})")
     import torch.distributed as dist
     from megatron.core import parallel_state
 

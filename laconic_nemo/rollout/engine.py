@@ -10,10 +10,10 @@ The engine does not call ``GPTModel.forward`` nor ``TransformerLayer.forward`` (
 go through ``InferenceParams`` and ``torch.cat`` the KV cache); it calls, in the order
 ``TransformerLayer.forward`` does (``transformer/transformer_layer.py:383-447``), each layer's own
 modules: ``input_layernorm`` -> ``self_attention.get_query_key_value_tensors`` (``attention.py:615-665``:
-``linear_qkv``, the split into per-group query / key / value heads, q/k layernorm for Qwen3) -> RoPE of the
-model's own table (``GPTModel.rotary_pos_emb``, applied with megatron's unfused
-``_apply_rotary_pos_emb_bshd``, ``rope_utils.py:88-122``, with one position PER ROW) -> the engine's core
-attention over the static cache -> ``self_attention.linear_proj`` -> ``self_attn_bda`` ->
+``linear_qkv``, the split into per-group query / key / value heads, q/k layernorm for Qwen3) -> RoPE from the
+model's own table (``GPTModel.rotary_pos_emb``) with one position PER ROW, in the arithmetic of megatron's
+unfused ``_apply_rotary_pos_emb_bshd`` (``rope_utils.py:88-122``, its ``_rotate_half``) but with the cosine and
+sine taken once per step instead of twice per layer -> the engine's core attention over the static cache -> ``self_attention.linear_proj`` -> ``self_attn_bda`` ->
 ``pre_mlp_layernorm`` -> ``mlp`` -> ``mlp_bda``; then ``decoder.final_layernorm`` and ``output_layer``
 (with ``shared_embedding_or_output_weight()`` when embeddings are tied, as ``gpt_model.py:279-284``).
 Tensor-parallel collectives therefore come from the modules themselves (column / row parallel linears),
@@ -327,7 +327,8 @@ class DecodeEngine:
             self._prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
         self.cache: StaticKVCache | None = None
         self.slots: _Slots | None = None
-        self._rope_table: torch.Tensor | None = None
+        self._rope_cos: torch.Tensor | None = None  # [positions, rotary dim] float32
+        self._rope_sin: torch.Tensor | None = None
         self.runner = GraphRunner(self.device, enabled=self.settings.cuda_graphs, rehearse=self.settings.rehearse_graphs)
         self._weights: tuple | None = None
         self.stats = EngineStats()
@@ -357,13 +358,14 @@ class DecodeEngine:
         self.cache = StaticKVCache(shape, self.device)
         self.slots = _Slots(rows, positions, self.vocab_size, self.hidden, self.hidden_dtype, self.device, self.last)
         if self.rope:
-            # [positions, 1, 1, rotary dim] -> [positions, rotary dim]; megatron caches it (lru_cache)
-            self._rope_table = self.model.rotary_pos_emb(positions).reshape(positions, -1)
+            # the model's table [positions, 1, 1, rotary dim] of float32 angles
+            freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
+            self._rope_cos, self._rope_sin = torch.cos(freqs), torch.sin(freqs)
 
     def free(self) -> None:
         """Release the cache, the buffers and the captured graphs (the next call allocates again)."""
         self.runner.reset()
-        self.cache = self.slots = self._rope_table = None
+        self.cache = self.slots = self._rope_cos = self._rope_sin = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -388,20 +390,35 @@ class DecodeEngine:
             x = x.float()
         return emb.embedding_dropout(x)
 
-    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
-        if freqs is None:
+    def _rope(self, pos: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):
+        """(cos, sin) of the model's RoPE table at positions ``pos``, viewed as ``shape`` + (rotary dim,), in
+        ``dtype``: once per step for every layer (megatron's ``_apply_rotary_pos_emb_bshd`` takes the cosine and
+        sine of the same float32 angles in every call, ``rope_utils.py:118-119``)."""
+        if self._rope_cos is None:
+            return None
+        d = self._rope_cos.shape[-1]
+        return (self._rope_cos[pos].to(dtype).view(*shape, d), self._rope_sin[pos].to(dtype).view(*shape, d))
+
+    def _rotate(self, t: torch.Tensor, rope) -> torch.Tensor:
+        """megatron's ``_apply_rotary_pos_emb_bshd`` (``rope_utils.py:88-122``, not multi-latent) with the cosine
+        and sine given: the same arithmetic, so the same bits."""
+        if rope is None:
             return t
-        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+        from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
-        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=self.model.config.rotary_interleaved)
+        cos, sin = rope
+        rot = cos.shape[-1]
+        t, t_pass = t[..., :rot], t[..., rot:]
+        t = (t * cos) + (_rotate_half(t, self.model.config.rotary_interleaved) * sin)
+        return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
 
-    def _layer(self, layer, h: torch.Tensor, freqs, attend) -> torch.Tensor:
+    def _layer(self, layer, h: torch.Tensor, rope, attend) -> torch.Tensor:
         """One TransformerLayer on hidden [s, b, H]; ``attend(q, k, v)`` -> context [s, b, heads * head_dim]."""
         fused = self.model.config.bias_dropout_fusion
         residual = h
         x = layer.input_layernorm(h)
         q, k, v = layer.self_attention.get_query_key_value_tensors(x)
-        ctx = attend(self._rotate(q, freqs), self._rotate(k, freqs), v)
+        ctx = attend(self._rotate(q, rope), self._rotate(k, rope), v)
         h = layer.self_attn_bda(False, fused)(layer.self_attention.linear_proj(ctx), residual, layer.hidden_dropout)
         residual = h
         h = layer.mlp_bda(False, fused)(layer.mlp(layer.pre_mlp_layernorm(h)), residual, layer.hidden_dropout)
@@ -524,9 +541,9 @@ class DecodeEngine:
             else:
                 h = torch.empty(width, U, self.hidden, dtype=self.hidden_dtype, device=self.device)
                 self._recv(h)
-            freqs = self._rope_table[:width].view(width, 1, 1, -1) if self.rope else None
+            rope = self._rope(torch.arange(width, device=self.device), (width, 1, 1), self.kv_dtype)
             for li, layer in enumerate(self.layers):
-                h = self._layer(layer, h, freqs, self._prefill_attention(li, dest_t, src_t))
+                h = self._layer(layer, h, rope, self._prefill_attention(li, dest_t, src_t))
             self.stats.prefill_forwards += 1
             if not self.last:
                 self._send(h)
@@ -558,11 +575,11 @@ class DecodeEngine:
             h = self._embed(s.tokens[:b].unsqueeze(1), pos.unsqueeze(1))  # [1, b, H]
         else:
             h = s.hidden_in[:b].unsqueeze(0)
-        freqs = self._rope_table[pos].view(1, b, 1, -1) if self.rope else None
+        rope = self._rope(pos, (1, b, 1), self.kv_dtype)
         mask = (s.arange[:kv].unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, kv)
         rows = s.rows[:b]
         for li, layer in enumerate(self.layers):
-            h = self._layer(layer, h, freqs, self._decode_attention(li, rows, pos, mask, b, kv))
+            h = self._layer(layer, h, rope, self._decode_attention(li, rows, pos, mask, b, kv))
         if not self.last:
             s.hidden_out[:b].copy_(h[0])
             return None

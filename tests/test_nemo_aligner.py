@@ -771,8 +771,7 @@ def test_export_nemo_run_to_hf_matches_nemo_logits(gloo_world, cpu_cuda_shims, m
 
 @pytest.mark.nemo
 @nemo_skip
-@pytest.mark.parametrize("sampler", ["exact", "device"])
-def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path, sampler):
+def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path):
     """``rollout.engine: megatron`` on the NeMo-Aligner actor: ``NemoAlignerActor.generate`` runs the decode engine on
     the megatron-core GPTModel inside a real NeMo ``MegatronGPTModel`` (found through ``get_model_module_list``),
     between the model's ``prepare_for_inference`` / ``finish_inference``, over the tokenizer's vocabulary; its
@@ -795,25 +794,27 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
     with torch.no_grad():  # NeMo's init at std 0.02 gives near-uniform draws; sharpen them so context matters
         for name, p in model.named_parameters():
             p.mul_(6.0 if "norm" not in name else 1.0)
-    calls = []
-    model.prepare_for_inference = lambda: calls.append("prepare")
-    model.finish_inference = lambda: calls.append("finish")
     V, eos = model.tokenizer.vocab_size, model.tokenizer.eos_id
-    actor = object.__new__(na.NemoAlignerActor)
-    actor.model, actor.pad_id, actor.dp_rank, actor.rollout_engine = model, eos, 0, "megatron"
-    actor.vocab_size, actor._decode_engine = None, None
-    actor.engine_settings = EngineSettings(sampler=sampler, sync_every=2, batch_buckets=(2, 4, 6), kv_block=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in (3, 5, 2, 4)]
     prompts = [[t if t != eos else eos + 1 for t in p] for p in prompts]
     prompts = [p for p in prompts for _ in range(2)]  # G = 2
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=14, eos_id=eos, seed=9)
-    out = actor.generate(prompts, sp)
-    assert calls == ["prepare", "finish"]
-    engine = actor.decode_engine()
-    assert isinstance(engine, DecodeEngine) and isinstance(engine.model, GPTModel) and engine.vocab_size == V
-    ref = model_reference(engine.model, V, prompts, sp, sampler=sampler, sync_every=2, causal_mask=True)
-    for k in ("tokens", "prompt_lengths", "response_lengths", "lengths", "truncated"):
-        assert torch.equal(getattr(out, k), getattr(ref, k)), k
-    assert out.truncated.any() and (~out.truncated).any()
-    assert engine.stats.compactions >= 1
+    calls: list[str] = []
+    model.prepare_for_inference = lambda: calls.append("prepare")
+    model.finish_inference = lambda: calls.append("finish")
+    for sampler in ("exact", "device"):
+        calls.clear()
+        actor = object.__new__(na.NemoAlignerActor)
+        actor.model, actor.pad_id, actor.dp_rank, actor.rollout_engine = model, eos, 0, "megatron"
+        actor.vocab_size, actor._decode_engine = None, None
+        actor.engine_settings = EngineSettings(sampler=sampler, sync_every=2, batch_buckets=(2, 4, 6), kv_block=4)
+        out = actor.generate(prompts, sp)
+        assert calls == ["prepare", "finish"]
+        engine = actor.decode_engine()
+        assert isinstance(engine, DecodeEngine) and isinstance(engine.model, GPTModel) and engine.vocab_size == V
+        ref = model_reference(engine.model, V, prompts, sp, sampler=sampler, sync_every=2, causal_mask=True)
+        for k in ("tokens", "prompt_lengths", "response_lengths", "lengths", "truncated"):
+            assert torch.equal(getattr(out, k), getattr(ref, k)), (sampler, k)
+        assert out.truncated.any() and (~out.truncated).any()
+        assert engine.stats.compactions >= 1

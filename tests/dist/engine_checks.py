@@ -38,7 +38,7 @@ def run_checks(actor, eos: int, res: dict) -> None:
 
     V = actor.vocab_size
     prompts = _prompts(V, eos)
-    sp = SamplingParams(temperature=2.0, top_p=0.95, max_new_tokens=40, eos_id=eos, seed=17)
+    sp = SamplingParams(temperature=2.0, top_p=0.95, max_new_tokens=32, eos_id=eos, seed=17)
     engine = actor.decode_engine()
     s = engine.settings
     saved = (s.batch_buckets, s.kv_block, s.kv_cache_rows, actor.sampler, actor.sync_every, actor.compact_rows)
@@ -52,14 +52,14 @@ def run_checks(actor, eos: int, res: dict) -> None:
         eng[f"{sampler}_equal"] = _same(out, ref)
         eng[f"{sampler}_compactions"] = engine.stats.compactions
         eng[f"{sampler}_eos_and_truncated"] = bool(out.truncated.any() and (~out.truncated).any())
-        engine.free()
-        s.kv_cache_rows = 5  # a cache of 5 rows: passes of 5 rows, the same tokens
-        passes = actor.generate(prompts, sp)
-        eng[f"{sampler}_passes"] = engine.stats.passes
-        eng[f"{sampler}_passes_equal"] = _same(passes, out)
-        engine.free()
-        s.kv_cache_rows = saved[2]
         eng[f"{sampler}_tokens"] = out.tokens
+    engine.free()
+    s.kv_cache_rows = 5  # a cache of 5 rows: passes of 5 rows, the same tokens (the device sampler's rollout)
+    passes = actor.generate(prompts, sp)
+    eng["passes"] = engine.stats.passes
+    eng["passes_equal"] = _same(passes, out)
+    engine.free()
+    s.kv_cache_rows = saved[2]
     # log-probs of the engine's forward vs the training forward (actor.logprobs), at the sampling temperature
     actor.sampler = "device"
     out = engine.generate(prompts, sp, stream=actor.dp_rank, pad_id=actor.pad_id, return_logprobs=True)

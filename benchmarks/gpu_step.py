@@ -1,21 +1,40 @@
 """One-GPU benchmark of the megatron-core actor: rollout and training throughput at the paper's shapes.
 
-    python benchmarks/gpu_step.py --device cuda                 # Qwen2.5-1.5B shapes, bf16 (about 5 minutes)
+    python benchmarks/gpu_step.py --device cuda                 # Qwen2.5-1.5B shapes, bf16 (about 10 minutes)
+    python benchmarks/gpu_step.py --device cuda --profile       # + a torch.profiler summary of the decode step
     python benchmarks/gpu_step.py --device cuda --shape small   # a 0.1B model with the same layout
     python benchmarks/gpu_step.py --device cpu                  # tiny shapes, fp32: keeps the script alive in CI
 
 Builds a random-weight model from a config written here (no download) through the bridge, once as a
 megatron-core GPTModel (the actor) and once as the Hugging Face model with the same weights, and prints:
 
-1. rollout tokens/s: the actor's on-device sampler (``rollout.sampler=device``, finished rows compacted),
-   the same with megatron's unfused attention, the host float64 sampler (the CPU default; a short run, it is
-   per-token bound) and Hugging Face ``generate`` on the same weights and batch (64 prompts of 200 tokens,
-   1024 new tokens, EOS disabled: every row runs to the end), with the ratio to ``generate``;
-2. one GRPO optimiser step at the paper's shapes (prompts ~200 tokens, responses of 300-4096 tokens,
+1. rollout tokens/s on the same weights and batch (64 prompts of 200 tokens, 1024 new tokens, temperature 1,
+   EOS = the last vocabulary id, rarely hit by random weights): Hugging Face ``generate``; today's megatron
+   loop before the decode engine (``megatron_sampler.sample_on_device`` over megatron's ``InferenceParams``
+   cache, tests/dist/reference_loop.py; and the host float64 loop for a few tokens); the decode engine
+   (``laconic_nemo/rollout/engine.py``, device sampler, CUDA graphs, compaction on) at 64 and 256 rows. Each as
+   tok/s, the ratio to ``generate`` and the share of the bandwidth bound computed in the run (every decode step
+   reads the weights once plus each row's cached keys / values: rows x bandwidth / (weight bytes + rows x mean
+   cached tokens x KV bytes per token); bandwidth: the H100 data sheet's 3.35 TB/s on an H100, else a
+   device-to-device copy measured in the run);
+2. the log-prob mismatch: the largest |log p| difference between the engine's forward (the sampled tokens'
+   log-probs it returns) and the training forward (``actor.logprobs``) on the same rollout;
+3. a DeepSeek-shaped rollout (DeepSeek-R1-Distill-Qwen-1.5B: Qwen2 1.5B, untied output): 48 rows per GPU as in
+   the flagship layout (768 responses over DP 16), up to 4,096 new tokens, response lengths geometric with mean
+   ~3,000 capped at 4,096 (inferred from the paper's start-of-training lengths): the output layer is zeroed so
+   the engine's draws are uniform over its first ``1/h`` token ids (``vocab_size`` of the engine), which ends a
+   row on EOS (id 0) with probability h per token; the output matmul still runs over the whole vocabulary;
+4. the projected wall time of the paper's 500-step run on 16 H100 (2 x 8, DP 16): per step one rank's rollout
+   (3.) + old and reference log-probs of its 48 responses + 4 optimiser steps of 12 responses (micro-batch 4),
+   each measured here on that rollout's tokens; not measured (listed in the output): the DP gradient all-reduce,
+   reward grading, checkpoints;
+5. one GRPO optimiser step at the paper's shapes (prompts ~200 tokens, responses of 300-4096 tokens,
    micro-batch 4): tokens/s, MFU against the device's bf16 peak (the data-sheet value, and a bf16 matmul
    measured in the same run), peak memory, and the share of processed tokens that are padding, with the
    length-sorted micro-batches (``grpo.sort_by_length``) and without; attention sdpa vs megatron's local one.
 
+``--profile``: ``torch.profiler`` over the engine's decode steps at the first engine row: GPU kernels and graph
+launches per token and the GPU busy share (CUDA), or operators per decode step (CPU).
 Out-of-memory in one configuration is reported in its row and the script goes on.
 """
 
@@ -30,7 +49,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "dist"))  # reference_loop: today's loop, the baseline of the engine rows
 
 SHAPES = {
     # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B): 1.54 B parameters, tied embeddings, GQA 12/2 heads
@@ -42,12 +63,22 @@ SHAPES = {
     "small": dict(model_type="qwen2", hidden_size=512, num_layers=8, num_attention_heads=8, num_kv_heads=2,
                   head_dim=64, ffn_hidden_size=2048, vocab_size=151936, max_position_embeddings=32768,
                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False),
-    # CPU smoke shape
+    # DeepSeek-R1-Distill-Qwen-1.5B (its config.json: Qwen2, untied output, rope_theta 10000)
+    "deepseek-1.5b": dict(model_type="qwen2", hidden_size=1536, num_layers=28, num_attention_heads=12,
+                          num_kv_heads=2, head_dim=128, ffn_hidden_size=8960, vocab_size=151936,
+                          max_position_embeddings=131072, rope_theta=1e4, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, qkv_bias=True, qk_norm=False),
+    # CPU smoke shapes
+    "tiny-untied": dict(model_type="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                        head_dim=16, ffn_hidden_size=128, vocab_size=512, max_position_embeddings=2048,
+                        rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, qk_norm=False),
     "tiny": dict(model_type="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                  head_dim=16, ffn_hidden_size=128, vocab_size=512, max_position_embeddings=2048,
                  rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False),
 }
 H100_BF16_PEAK = 989e12  # H100 SXM dense bf16, data sheet
+H100_HBM_TBS = 3.35  # H100 SXM HBM3, data sheet (../shared/gpu/README.md)
+PAPER_STEPS, PAPER_GPUS, PAPER_ROWS_PER_GPU, PAPER_OPT_STEPS = 500, 16, 48, 4  # deepseek_1.5b_b1500.yaml, DP 16
 
 
 def hf_config(arch) -> dict:
@@ -136,15 +167,105 @@ def free(*objs):
 
 
 def time_rollout(actor, prompts, new_tokens, sampler: str, eos_id: int, device) -> tuple[float, int]:
+    """Today's loop before the decode engine (``megatron_sampler`` over an ``InferenceParams`` cache)."""
+    from reference_loop import actor_reference
+
     from laconic_nemo.grpo.interfaces import SamplingParams
 
-    actor.sampler = sampler
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=1)
     sync(device)
     t = time.perf_counter()
-    out = actor.generate(prompts, sp)
+    out = actor_reference(actor, prompts, sp, sampler=sampler, sync_every=8)
     sync(device)
     return time.perf_counter() - t, int(out.response_lengths.sum())
+
+
+def engine_settings(cpu: bool, prompt_len: int, new_tokens: int, **kw):
+    from laconic_nemo.rollout.engine import EngineSettings
+
+    base = dict(sampler="device", sync_every=8, compact=True, cuda_graphs=True, kv_cache_rows=None,
+                max_prompt_length=prompt_len, max_new_tokens=new_tokens, kv_block=16 if cpu else 256,
+                batch_buckets=(2, 4, 8, 16, 32, 64) if cpu else (8, 16, 32, 64, 128, 256, 512))
+    return EngineSettings(**{**base, **kw})
+
+
+def time_engine(engine, prompts, new_tokens: int, eos_id: int, device, logprobs: bool = False, seed: int = 1):
+    """One engine rollout after a warm-up rollout of the same shape (the warm-up captures the CUDA graphs):
+    (seconds, the output, seconds of the warm-up)."""
+    from laconic_nemo.grpo.interfaces import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=seed)
+    sync(device)
+    t = time.perf_counter()
+    engine.generate(prompts, sp, return_logprobs=logprobs)
+    sync(device)
+    warm = time.perf_counter() - t
+    t = time.perf_counter()
+    out = engine.generate(prompts, sp, return_logprobs=logprobs)
+    sync(device)
+    return time.perf_counter() - t, out, warm
+
+
+def copy_bandwidth_tbs(device) -> float:
+    """A device-to-device copy of 256 MiB (read + write), TB/s."""
+    n = 64 * 2**20
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync(device)
+    return 5 * 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e12
+
+
+def bound_tok_s(weight_bytes: int, kv_bytes_per_token: int, rows: int, mean_cached: float, tbs: float) -> float:
+    """Decode upper bound: each step reads the weights once and every row's cached keys / values."""
+    return rows * tbs * 1e12 / (weight_bytes + rows * mean_cached * kv_bytes_per_token)
+
+
+def hazard_for_mean(mean: float, cap: int) -> float:
+    """Per-token EOS probability h whose geometric length, capped at ``cap``, has expectation ``mean``:
+    E[min(G, cap)] = (1 - (1 - h)^cap) / h, solved by bisection."""
+    lo, hi = 1e-9, 1.0
+    for _ in range(200):
+        h = (lo + hi) / 2
+        if (1 - (1 - h) ** cap) / h > mean:
+            lo = h
+        else:
+            hi = h
+    return (lo + hi) / 2
+
+
+def profile_engine(engine, prompts, new_tokens: int, eos_id: int, device) -> str:
+    """torch.profiler over one engine rollout (graphs already captured): per decode step / token counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from laconic_nemo.grpo.interfaces import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=1)
+    engine.generate(prompts, sp)  # warm-up: captures
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        out = engine.generate(prompts, sp)
+        sync(device)
+    wall = time.perf_counter() - t
+    steps = max(1, engine.stats.decode_steps)
+    tokens = int(out.response_lengths.sum())
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time for e in kernels) / 1e6  # us -> s
+        launches = sum(1 for e in events if e.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel"))
+        return (f"{len(kernels) / tokens:.2f} GPU kernels per token ({len(kernels) / steps:.0f} per decode step), "
+                f"{launches / steps:.1f} host launches per decode step, GPU busy {100 * busy / wall:.0f}% of "
+                f"{wall:.2f} s ({tokens} tokens, {steps} decode steps, prefill included)")
+    ops = [e for e in events if e.name.startswith("aten::")]
+    return (f"{len(ops) / steps:.0f} aten operators per decode step on CPU (no GPU: kernel launches and busy share "
+            f"pending), {wall:.2f} s for {tokens} tokens")
 
 
 def time_hf_generate(hf, prompts, new_tokens, device) -> tuple[float, int]:
@@ -229,6 +350,113 @@ def padding_share(batch, mbs: int, sort: bool) -> float:
     return 1.0 - sum(ends) / processed
 
 
+def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eos_id, device, hf_tps, tbs, add,
+                   cpu: bool, profile: bool) -> None:
+    """The decode engine at each of ``engine_rows`` (the prompts repeated, as GRPO's groups), its share of the
+    bandwidth bound, and the rollout / training log-prob mismatch on the first row count's rollout."""
+    from laconic_nemo.grpo.interfaces import TrainBatch
+    from laconic_nemo.rollout.engine import DecodeEngine
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in actor.module.parameters())
+    for i, rows in enumerate(engine_rows):
+        batch = [prompts[j % len(prompts)] for j in range(rows)]
+        engine = DecodeEngine(actor.model, actor.vocab_size, engine_settings(cpu, prompt_len, new_tokens))
+        label = f"decode engine, device sampler, {rows} rows"
+        try:
+            dt, out, warm = time_engine(engine, batch, new_tokens, eos_id, device, logprobs=i == 0)
+        except torch.cuda.OutOfMemoryError:
+            add("rollout", label, "OOM", "-", "-")
+            continue
+        ntok = int(out.response_lengths.sum())
+        tps = ntok / dt
+        kv_tok = engine.cache.shape.bytes_per_token
+        mean_cached = float((out.prompt_lengths + out.response_lengths / 2).float().mean())
+        bound = bound_tok_s(weight_bytes, kv_tok, rows, mean_cached, tbs)
+        ratio = f"{tps / hf_tps:.2f}" if hf_tps else "-"
+        add("rollout", label, f"{ntok} tok in {dt:.2f} s ({1e3 * dt / max(1, engine.stats.decode_steps):.1f} "
+            f"ms/step; first run with captures {warm:.1f} s; {engine.stats.graphs} graphs)", f"{tps:,.0f} tok/s",
+            f"{ratio}; {100 * tps / bound:.1f}% of the bound {bound:,.0f} tok/s")
+        if i == 0:
+            inside = torch.zeros(out.tokens.shape[0], out.tokens.shape[1] - 1)
+            for r in range(len(batch)):
+                p, n = int(out.prompt_lengths[r]), int(out.response_lengths[r])
+                inside[r, p - 1 : p + n - 1] = 1
+            lp = actor.logprobs(TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, inside),
+                                micro_batch_size=4)
+            diff = float((out.logprobs - lp)[inside.bool()].abs().max())
+            add("rollout", f"log-prob mismatch, engine vs training forward, {rows} rows",
+                f"max |diff| {diff:.2e} over {int(inside.sum())} tokens", "-", str(actor.config.params_dtype)[6:])
+            if profile:
+                add("rollout", f"profile of the engine's decode steps, {rows} rows",
+                    profile_engine(engine, batch, min(new_tokens, 128), eos_id, device), "-", "-")
+        engine.free()
+
+
+def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, cpu, add) -> None:
+    """The DeepSeek-shaped rollout of one rank and the 500-step projection (see the module docstring)."""
+    from laconic_nemo.bridge import ModelArch
+    from laconic_nemo.grpo.interfaces import TrainBatch
+    from laconic_nemo.rollout.engine import DecodeEngine
+
+    arch = ModelArch(**SHAPES[shape])
+    actor = build_actor(arch, "sdpa", device, dtype, args)
+    with torch.no_grad():
+        actor.module.output_layer.weight.zero_()  # uniform draws: the EOS hazard is 1 / the engine's vocabulary
+    h = hazard_for_mean(mean, new_tokens)
+    v_eff = max(2, min(arch.vocab_size, round(1 / h)))
+    rows = args.deepseek_rows
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(1, arch.vocab_size, (rows // 6 or 1, prompt_len), generator=g).tolist()
+    batch = [prompts[j // 6 % len(prompts)] for j in range(rows)]  # G = 6 samples per prompt
+    engine = DecodeEngine(actor.model, v_eff, engine_settings(cpu, prompt_len, new_tokens))
+    label = f"DeepSeek-shaped rollout ({shape}), {rows} rows, L_max {new_tokens}"
+    try:
+        dt, out, warm = time_engine(engine, batch, new_tokens, 0, device)
+    except torch.cuda.OutOfMemoryError:
+        add("deepseek", label, "OOM", "-", "-")
+        return
+    L = out.response_lengths.float()
+    ntok = int(L.sum())
+    target = " (target <= 20 s)" if shape == "deepseek-1.5b" else ""
+    add("deepseek", label, f"{dt:.2f} s{target}; lengths mean {float(L.mean()):.0f} (drawn: geometric mean "
+        f"{mean:.0f}, EOS hazard 1/{v_eff}), max {int(L.max())}, {int(out.truncated.sum())} at L_max; "
+        f"{engine.stats.compactions} compactions", f"{ntok / dt:,.0f} tok/s", f"first run {warm:.1f} s")
+    engine.free()
+    actor._decode_engine = None
+    free()
+
+    # the rest of one GRPO step of the paper's run on this rank, on this rollout's tokens
+    n, T = out.tokens.shape
+    mask = torch.zeros(n, T - 1)
+    for r in range(n):
+        p, k = int(out.prompt_lengths[r]), int(out.response_lengths[r])
+        mask[r, p - 1 : p + k - 1] = 1
+    full = TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, mask,
+                      advantages=torch.randn(n, generator=g), old_logprobs=-5.0 * mask)
+    try:
+        actor.logprobs(full, micro_batch_size=4)  # warm-up
+        sync(device)
+        t = time.perf_counter()
+        actor.logprobs(full, micro_batch_size=4)
+        sync(device)
+        t_lp = time.perf_counter() - t
+        set_recompute(actor.config, "all" if not cpu else "0", arch.num_layers)
+        mini = full.select(slice(0, max(1, n // PAPER_OPT_STEPS)))
+        r = time_train(actor, mini, device, 1)
+        t_train = r["s_per_step"]
+    except torch.cuda.OutOfMemoryError:
+        add("projection", "500 steps on 16 GPUs", "OOM in the training part", "-", "-")
+        return
+    step = dt + 2 * t_lp + PAPER_OPT_STEPS * t_train
+    hours = PAPER_STEPS * step / 3600
+    add("projection", f"paper run: {PAPER_STEPS} steps x ({rows} responses per GPU, {PAPER_GPUS} GPUs)",
+        f"{step:.1f} s/step = rollout {dt:.1f} + 2 x log-probs {t_lp:.1f} (old, reference) + {PAPER_OPT_STEPS} x "
+        f"optimiser step {t_train:.1f} ({len(mini)} rows, micro-batch {args.micro_batch})",
+        f"{hours:.2f} h", "not measured: DP all-reduce, reward, checkpoints")
+    actor = None
+    free()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
@@ -244,8 +472,18 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute-layers", default="all",
                     help="GPU: comma list of settings to train with, each a number of layers whose activations are "
                          "recomputed in backward (all = every layer; 0 = none); e.g. all,14")
+    ap.add_argument("--engine-rows", default=None, help="rows of the engine rollouts (default 64,256; 8,32 on cpu)")
+    ap.add_argument("--deepseek-rows", type=int, default=PAPER_ROWS_PER_GPU, help="rows of the DeepSeek-shaped "
+                    "rollout (default 48: one rank of the flagship layout)")
+    ap.add_argument("--deepseek-new-tokens", type=int, default=None, help="its L_max (default 4096; 64 on cpu)")
+    ap.add_argument("--deepseek-mean", type=float, default=None,
+                    help="its mean response length (default 3000; 0.73 x L_max elsewhere)")
+    ap.add_argument("--bandwidth-tbs", type=float, default=None,
+                    help="memory bandwidth of the bound (default: 3.35 on an H100, else a copy measured in the run)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler summary of the engine's decode steps")
     ap.add_argument("--skip", default="",
-                    help="comma list of sections to skip: rollout,hf,local,local-rollout,train,reference")
+                    help="comma list of sections to skip: rollout,hf,local,local-rollout,engine,deepseek,train,"
+                         "reference")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -260,6 +498,9 @@ def main(argv=None) -> int:
     new_tokens = args.new_tokens or (32 if cpu else 1024)
     train_rows = args.train_rows or (8 if cpu else 16)
     max_resp = args.max_response or (48 if cpu else 4096)
+    engine_rows = [int(x) for x in (args.engine_rows or ("8,32" if cpu else "64,256")).split(",")]
+    ds_new = args.deepseek_new_tokens or (64 if cpu else 4096)
+    ds_mean = args.deepseek_mean or (3000.0 if ds_new == 4096 else 0.73 * ds_new)
     skip = set(filter(None, args.skip.split(",")))
     dtype = torch.float32 if cpu else torch.bfloat16
 
@@ -268,10 +509,19 @@ def main(argv=None) -> int:
     arch = ModelArch(**SHAPES[shape])
     dev_name = torch.cuda.get_device_name(0) if not cpu else "cpu"
     peak_meas = matmul_tflops(device)
+    copy_tbs = copy_bandwidth_tbs(device)
+    if args.bandwidth_tbs:
+        tbs, tbs_src = args.bandwidth_tbs, "--bandwidth-tbs"
+    elif "H100" in dev_name:
+        tbs, tbs_src = H100_HBM_TBS, "H100 data sheet"
+    else:
+        tbs, tbs_src = copy_tbs, "measured copy"
     print(f"# gpu_step: device {dev_name} | torch {torch.__version__} | shape {shape} "
           f"({params_count(arch) / 1e9:.3f} B params) | {str(dtype).replace('torch.', '')}")
     if peak_meas:
         print(f"# bf16 8192^3 matmul measured: {peak_meas:.0f} TFLOP/s; data-sheet peak {H100_BF16_PEAK / 1e12:.0f}")
+    print(f"# memory bandwidth of the bound: {1e3 * tbs:,.0f} GB/s ({tbs_src}); copy measured in this run "
+          f"{1e3 * copy_tbs:,.0f} GB/s")
 
     # the Hugging Face model with random weights, its state dict feeds the megatron actor
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -326,6 +576,11 @@ def main(argv=None) -> int:
                     f"{ntok} tok in {dt:.1f} s", f"{tps:,.0f} tok/s", ratio)
             actor.sampler = "device"
         free()
+        if attention == "sdpa" and "engine" not in skip:
+            engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eos_id, device, hf_tps, tbs,
+                           add, cpu, args.profile)
+            actor._decode_engine = None
+            free()
         if "train" not in skip:
             batch = train_batch(arch, train_rows, prompt_len, max_resp)
             lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
@@ -357,14 +612,18 @@ def main(argv=None) -> int:
         actor = None
         free()
 
+    if "deepseek" not in skip:
+        deepseek_section("tiny-untied" if cpu else "deepseek-1.5b", args, device, dtype, prompt_len, ds_new,
+                         ds_mean, cpu, add)
+
     print()
     print("| section | variant | measured | throughput | ratio / MFU |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print(f"\n# rollout: {n_prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens (EOS id {eos_id}); "
-          f"train: {train_rows} rows, prompt {prompt_len}, responses 300..{max_resp}, micro-batch "
-          f"{args.micro_batch}")
+          f"engine rows {engine_rows} (the prompts repeated); train: {train_rows} rows, prompt {prompt_len}, responses "
+          f"300..{max_resp}, micro-batch {args.micro_batch}; bound at {1e3 * tbs:,.0f} GB/s ({tbs_src})")
     import torch.distributed as dist
     from megatron.core import parallel_state
 

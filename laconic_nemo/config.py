@@ -92,6 +92,9 @@ class ModelConfig:
     num_layers: int = opt(2, above="Shape of the synthetic GPT (ignored for hf/nemo, which read it from the checkpoint).")
     hidden_size: int = opt(64)
     num_attention_heads: int = opt(4)
+    num_query_groups: Optional[int] = opt(None, """key-value heads (grouped-query attention); null: num_attention_heads.
+hf / nemo read it from the checkpoint; plan sizes the KV cache with it
+when the checkpoint is not readable there""")
     ffn_hidden_size: int = opt(256)
     vocab_size: int = opt(64, "padded to a multiple of the TP size by the actor")
     max_position_embeddings: int = opt(512)
@@ -107,6 +110,9 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
             _require(bool(self.path), "model.path", "a checkpoint path when model.source is hf or nemo", self.path)
         _one_of("model.precision", self.precision, ("fp32", "bf16", "fp16"))
         _one_of("model.attention", self.attention, ATTENTION_CHOICES)
+        q = self.num_query_groups
+        _require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
+                 f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)
 
 
 @dataclass
@@ -309,15 +315,36 @@ Only true is accepted: separate vLLM GPUs need a weight channel (not implemented
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("megatron", "megatron (in-process sampler) | vllm (GPU, PP = 1) | nemo (NeMo-Aligner generation)")
+    engine: str = opt("megatron", """megatron (the project's decode engine, laconic_nemo/rollout/engine.py, for both
+actors) | vllm (GPU, megatron-core actor with model.source = hf, PP = 1) | nemo
+(NeMo-Aligner's native generation, NeMo-Aligner actor only)""")
     max_new_tokens: int = opt(4096, "L_max during training")
     temperature: float = opt(1.0, "sampling temperature; old, new and reference log-probs use it too (verl dp_actor)")
     top_p: float = opt(1.0)
-    sampler: str = opt("auto", """exact (host float64 loop, per-sample torch generators) | device (all on the
+    sampler: str = opt("auto", """exact (host float64 draws, per-sample torch generators) | device (all on the
 GPU, counter-based per-sample uniforms) | auto (device on GPU, exact on CPU)""",
-                       above="megatron engine only (laconic_nemo/rollout/megatron_sampler.py):")
-    sync_every: int = opt(8, "device sampler: decode steps between host synchronisations")
-    compact: bool = opt(True, "device sampler: drop finished rows from the batch and KV cache at each sync")
+                       above="""megatron engine only (laconic_nemo/rollout/engine.py; docs/architecture.md, "Rollout engine").
+A sample's tokens depend on (run.seed, step, DP rank, sample index) only, never on the batch.""")
+    sync_every: int = opt(8, "decode steps between host synchronisations (finished rows are checked there)")
+    compact: bool = opt(True, """at each synchronisation, move the live rows into the smallest
+batch bucket they fit""")
+    batch_buckets: List[int] = opt([8, 16, 32, 64, 128, 256, 512], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
+largest. Inferred: powers of two, like vLLM's capture sizes.""")
+    kv_block: int = opt(256, """attention reads the cache up to the longest live row, rounded up to a multiple of
+this many positions (one graph per length); inferred""")
+    cuda_graphs: bool = opt(True, "capture each decode step as a CUDA graph (GPU); false: run it eagerly")
+    prefill_tokens: int = opt(16384, """tokens per prefill forward (distinct prompts x the longest of them); bounds its
+activation memory; inferred""")
+    max_prompt_length: int = opt(1024, """KV cache positions = max_prompt_length + max_new_tokens (within the model's
+context); a longer prompt grows the cache (checked again). Inferred: the flagship
+prompts (DeepScaleR problems in the chat template) are a few hundred tokens""")
+    kv_cache_rows: Optional[int] = opt(None, """rows of the KV cache; null: this DP rank's responses per step
+(num_prompts_per_step x group_size / DP). A larger generate call runs in passes
+of this many rows (same tokens)""")
+    kv_cache_memory_fraction: float = opt(0.3, """the cache's largest share of the device's memory
+(GPU: its total memory; CPU: physical RAM), checked before it is
+allocated; plan checks it against --gpu-memory-gib. Inferred: leaves
+the rest to weights, Adam and activations""")
     vllm: VllmConfig = section(VllmConfig, "rollout.engine = vllm (GPU, model.source = hf): laconic_nemo/rollout/vllm.py")
 
     def __post_init__(self):
@@ -327,6 +354,16 @@ GPU, counter-based per-sample uniforms) | auto (device on GPU, exact on CPU)""",
         _require(self.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", self.engine)
         _one_of("rollout.sampler", self.sampler, SAMPLER_CHOICES)
         _require(self.sync_every >= 1, "rollout.sync_every", ">= 1", self.sync_every)
+        b = list(self.batch_buckets)
+        _require(len(b) > 0 and all(x >= 1 for x in b) and all(x < y for x, y in zip(b, b[1:])),
+                 "rollout.batch_buckets", "a non-empty, strictly increasing list of integers >= 1", b)
+        _require(self.kv_block >= 1, "rollout.kv_block", "an integer >= 1", self.kv_block)
+        _require(self.prefill_tokens >= 1, "rollout.prefill_tokens", "an integer >= 1", self.prefill_tokens)
+        _require(self.max_prompt_length >= 1, "rollout.max_prompt_length", "an integer >= 1", self.max_prompt_length)
+        _require(self.kv_cache_rows is None or self.kv_cache_rows >= 1, "rollout.kv_cache_rows",
+                 "null or an integer >= 1", self.kv_cache_rows)
+        _require(0 < self.kv_cache_memory_fraction <= 1, "rollout.kv_cache_memory_fraction", "in (0, 1]",
+                 self.kv_cache_memory_fraction)
 
 
 @dataclass

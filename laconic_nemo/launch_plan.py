@@ -64,6 +64,16 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     tokenizer: str | None = None          # HF folder whose tokenizer was loaded (None: not readable here)
     end_strings: list[str] | None = None  # NeMo sampler end strings (single tokens of that tokenizer)
+    rollout_engine: str = "megatron"      # rollout.engine
+    kv_cache: str | None = None           # the decode engine's KV cache per GPU (shape, dtype, GiB); None: not ours
+    kv_cache_bytes: int | None = None
+
+
+ROLLOUT_ENGINES = {
+    "megatron": "megatron: the decode engine (laconic_nemo/rollout/engine.py; static KV cache, CUDA-graphed steps)",
+    "vllm": "vllm (colocated, weights refitted every step)",
+    "nemo": "nemo: NeMo-Aligner's native generation",
+}
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -85,13 +95,15 @@ def _hf_config(path: str | None) -> dict | None:
 
 
 def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
-                check_paths: bool = True, cluster: bool = True) -> Plan:
+                check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0) -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
 
     hf_model: the HF checkpoint the launch converts to ``model.path`` when that .nemo is missing.
     check_paths: verify data files and checkpoints exist, and every data row (off for planning away from
     the cluster).
     cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine (gloo allowed).
+    gpu_memory_gib: memory of one GPU; on a cluster the decode engine's KV cache must fit
+    ``rollout.kv_cache_memory_fraction`` of it.
     Raises :class:`LayoutError` (a ConfigError) naming the offending key.
     """
     if int(nodes) < 1:
@@ -118,7 +130,9 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     hf = _hf_config(hf_model if m.source == "nemo" else m.path)
     heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
     layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
-    kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else None
+    kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else m.num_query_groups
+    hidden = int(hf.get("hidden_size", m.hidden_size)) if hf else int(m.hidden_size)
+    head_dim = int(hf.get("head_dim") or hidden // heads) if hf else hidden // heads
     max_pos = int(hf.get("max_position_embeddings", m.max_position_embeddings)) if hf else int(m.max_position_embeddings)
     if heads % tp:
         _fail("parallel.tensor_model_parallel_size", tp, f"a divisor of the attention heads ({heads})")
@@ -133,10 +147,25 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
 
     warnings: list[str] = []
     actor = "nemo_aligner" if m.source == "nemo" else "megatron_core"
-    if m.source == "nemo" and cfg.rollout.engine != "nemo":
-        _fail("rollout.engine", cfg.rollout.engine, "nemo when model.source = nemo (NeMo-Aligner generation)")
-    if m.source != "nemo" and cfg.rollout.engine == "nemo":
-        _fail("rollout.engine", cfg.rollout.engine, "megatron or vllm unless model.source = nemo")
+    engine = str(cfg.rollout.engine)
+    if m.source == "nemo" and engine == "vllm":
+        _fail("rollout.engine", engine, "megatron (the decode engine) or nemo (NeMo-Aligner generation) when "
+              "model.source = nemo")
+    if m.source != "nemo" and engine == "nemo":
+        _fail("rollout.engine", engine, "megatron or vllm unless model.source = nemo")
+    kv_desc = kv_bytes = None
+    if engine == "megatron":
+        kv = kv_cache_shape(cfg, layers // pp, (kv_heads or heads) // tp, head_dim, rollout // dp, max_pos)
+        kv_desc, kv_bytes = kv.describe(), kv.nbytes
+        if cluster:
+            from laconic_nemo.rollout.kv_cache import KVCacheTooLarge, check_fits
+
+            try:
+                check_fits(kv, float(cfg.rollout.kv_cache_memory_fraction), int(gpu_memory_gib * 2**30),
+                           sized_by=f"rollout.kv_cache_rows ({kv.rows} rows: null = responses per DP rank) and "
+                                    f"rollout.max_prompt_length + rollout.max_new_tokens ({kv.positions} positions)")
+            except KVCacheTooLarge as exc:
+                raise LayoutError(str(exc)) from exc
     if world > 1 and m.precision == "fp32" and m.source != "synthetic":
         warnings.append("model.precision = fp32 on GPUs: bf16 is the usual choice")
     if cluster and cfg.parallel.backend == "gloo" and m.source != "synthetic":
@@ -177,8 +206,25 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         samples_per_rank=rollout // dp, micro_batches_per_step=mini // (dp * mbs), max_new_tokens=lmax,
         budget=cfg.laconic.budget, max_generated_tokens_per_step=rollout * lmax,
         budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
-        conversion_needed=conversion, warnings=warnings,
+        conversion_needed=conversion, warnings=warnings, rollout_engine=engine, kv_cache=kv_desc,
+        kv_cache_bytes=kv_bytes,
     )
+
+
+def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
+                   samples_per_rank: int, max_positions: int):
+    """The decode engine's KV cache on one GPU (:class:`laconic_nemo.rollout.kv_cache.KVCacheShape`): rows
+    ``rollout.kv_cache_rows`` (null: the responses per DP rank), positions ``rollout.max_prompt_length +
+    rollout.max_new_tokens`` within the context window, the model's dtype."""
+    import torch
+
+    from laconic_nemo.rollout.kv_cache import KVCacheShape
+
+    r = cfg.rollout
+    rows = int(r.kv_cache_rows) if r.kv_cache_rows is not None else int(samples_per_rank)
+    positions = min(int(r.max_prompt_length) + int(r.max_new_tokens), int(max_positions))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.model.precision), torch.float32)
+    return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
 
 
 def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
@@ -282,7 +328,11 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
         f"tokens per step  <= {plan.max_generated_tokens_per_step} generated (L_max {plan.max_new_tokens}); "
         f"{plan.budget_tokens_per_step} at the budget B {plan.budget:g}",
         f"steps            {plan.num_steps}",
+        f"rollout engine   {ROLLOUT_ENGINES.get(plan.rollout_engine, plan.rollout_engine)}",
     ]
+    if plan.kv_cache:
+        lines.append(f"KV cache         {plan.kv_cache} per GPU, allocated once (rollout.kv_cache_rows, "
+                     "max_prompt_length + max_new_tokens)")
     if plan.tokenizer:
         lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
                                                               else ""))
@@ -321,6 +371,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-path-checks", action="store_true",
                    help="do not check that data and checkpoint paths exist (planning away from the cluster)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="memory of one GPU (default 80, an H100): the KV cache must fit "
+                        "rollout.kv_cache_memory_fraction of it")
 
 
 def register(subparsers) -> None:
@@ -339,7 +392,7 @@ def run(args) -> int:
     try:
         cfg = load_config(args.recipe, recipe_ov)
         plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
-                           check_paths=not args.skip_path_checks)
+                           check_paths=not args.skip_path_checks, gpu_memory_gib=args.gpu_memory_gib)
         tok = None
         if not args.skip_path_checks:
             found = check_model_folder(cfg, args.hf_model, nemo_ov)

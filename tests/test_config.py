@@ -33,6 +33,15 @@ def test_tiny_recipe_composes_with_base_and_overrides():
         ("grpo.advantage_std=sample", "grpo.advantage_std"),
         ("laconic.count_eos=maybe", "laconic.count_eos"),
         ("reward.format=xml", "reward.format"),
+        ("rollout.batch_buckets=[8,4]", "rollout.batch_buckets"),      # decode engine: strictly increasing
+        ("rollout.batch_buckets=[]", "rollout.batch_buckets"),
+        ("rollout.kv_block=0", "rollout.kv_block"),
+        ("rollout.prefill_tokens=0", "rollout.prefill_tokens"),
+        ("rollout.max_prompt_length=0", "rollout.max_prompt_length"),
+        ("rollout.kv_cache_rows=0", "rollout.kv_cache_rows"),
+        ("rollout.kv_cache_memory_fraction=0", "rollout.kv_cache_memory_fraction"),
+        ("rollout.kv_cache_memory_fraction=1.5", "rollout.kv_cache_memory_fraction"),
+        ("model.num_query_groups=3", "model.num_query_groups"),        # must divide the 4 heads
     ],
 )
 def test_bad_values_name_the_key(override, key):

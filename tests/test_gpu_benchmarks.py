@@ -21,11 +21,26 @@ def _run(*args: str) -> str:
 
 
 def test_gpu_step_runs_on_cpu_and_prints_its_table():
-    out = _run("benchmarks/gpu_step.py", "--device", "cpu", "--skip", "local", "--new-tokens", "12")
+    out = _run("benchmarks/gpu_step.py", "--device", "cpu", "--skip", "local", "--new-tokens", "12",
+               "--deepseek-new-tokens", "32", "--profile")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     names = [r.split("|")[2].strip() for r in rows[1:]]
     assert "HF generate (sdpa)" in names and "megatron device sampler, sdpa" in names
     assert any(n.startswith("GRPO step, sdpa, length-sorted") for n in names)
+    # the decode engine at both row counts, each with its ratio to HF generate and its share of the bandwidth bound
+    # computed in the run; the rollout / training log-prob mismatch (fp32 here: round-off only)
+    for n in (8, 32):
+        row = rows[1 + names.index(f"decode engine, device sampler, {n} rows")]
+        assert re.search(r"\| [\d,]+ tok/s \| [\d.]+; [\d.]+% of the bound [\d,]+ tok/s \|", row), row
+    mismatch = rows[1 + names.index("log-prob mismatch, engine vs training forward, 8 rows")]
+    assert float(re.search(r"max \|diff\| ([\d.e+-]+)", mismatch).group(1)) < 1e-4
+    assert any(n.startswith("profile of the engine's decode steps") for n in names)
+    # the DeepSeek-shaped rollout (48 rows, lengths drawn around 0.73 x L_max) and the 500-step projection
+    ds = rows[1 + next(i for i, n in enumerate(names) if n.startswith("DeepSeek-shaped rollout"))]
+    mean = float(re.search(r"lengths mean (\d+)", ds).group(1))
+    assert "48 rows, L_max 32" in ds and 8 < mean <= 32
+    proj = rows[1 + next(i for i, n in enumerate(names) if n.startswith("paper run: 500 steps"))]
+    assert re.search(r"\| [\d.]+ h \|", proj) and "not measured" in proj
     # pi_ref swapped by pointer ("device") and copied from host memory ("cpu") give identical log-probs
     ref = [r for r in rows if "pi_ref weights on" in r]
     assert len(ref) == 2 and all("max |diff| to device 0.0e+00" in r for r in ref)

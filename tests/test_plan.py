@@ -42,7 +42,9 @@ def test_scaling_by_nodes_keeps_the_global_batch():
     (DEEPSEEK, 3, [], "grpo.num_prompts_per_step"),  # DP 24 does not divide 128 prompts
     (str(ROOT / "recipes" / "qwen_math_1.5b_b550.yaml"), 2, ["rollout.max_new_tokens=4096"],
      "rollout.max_new_tokens"),
-    (DEEPSEEK, 2, ["rollout.engine=megatron"], "rollout.engine"),
+    (DEEPSEEK, 2, ["rollout.engine=vllm"], "rollout.engine"),  # NeMo-Aligner actor: megatron or nemo
+    (DEEPSEEK, 2, ["rollout.kv_cache_memory_fraction=0.05"], "rollout.kv_cache_memory_fraction"),  # 6.6 of 80 GiB
+    (QWEN3, 4, ["rollout.max_prompt_length=60000"], "rollout.kv_cache_memory_fraction"),
 ])
 def test_bad_layout_names_the_key(recipe, nodes, overrides, key, capsys):
     with pytest.raises(LayoutError, match=key.replace(".", r"\.")):
@@ -277,3 +279,21 @@ def test_vllm_rollouts_refused_with_pipeline_parallelism(capsys):
     assert "rollout.engine" in capsys.readouterr().err
     cfg = load_config(QWEN3, ["rollout.engine=vllm", "parallel.pipeline_model_parallel_size=1"])  # PP 1: allowed
     assert cfg.rollout.engine == "vllm"
+
+
+def test_plan_prints_the_rollout_engine_and_its_kv_cache(capsys):
+    """The flagship recipe generates with the decode engine; plan names it and the KV cache it allocates per GPU:
+    DeepSeek-R1-Distill-Qwen-1.5B, 28 layers x 2 kv heads x 128, bf16, 48 responses per DP rank x (1024 + 4096)
+    positions = 2 x 28 x 48 x 5120 x 2 x 128 x 2 bytes."""
+    p = plan_layout(load_config(DEEPSEEK), 2, 8, check_paths=False)
+    assert p.rollout_engine == "megatron" and p.kv_cache_bytes == 2 * 28 * 48 * 5120 * 2 * 128 * 2
+    assert main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout engine   megatron: the decode engine" in out
+    assert "KV cache         [28 layers x 2 x 48 rows x 5120 positions x 2 kv heads x 128] bfloat16 = 6.56 GiB" in out
+    # Qwen3-8B, TP 4 x PP 2: 18 layers and 8 / 4 kv heads per GPU, 128 responses per DP rank
+    q = plan_layout(load_config(QWEN3), 4, 8, check_paths=False)
+    assert q.kv_cache_bytes == 2 * 18 * 128 * 5120 * 2 * 128 * 2
+    # NeMo's own generation: no KV cache of ours
+    n = plan_layout(load_config(DEEPSEEK, ["rollout.engine=nemo"]), 2, 8, check_paths=False)
+    assert n.rollout_engine == "nemo" and n.kv_cache is None

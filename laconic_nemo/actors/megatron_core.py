@@ -39,6 +39,7 @@ from laconic_nemo.kernels import (
 )
 from laconic_nemo.megatron_env import ParallelInfo, parallel_info
 from laconic_nemo.rollout import megatron_sampler
+from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 
@@ -90,6 +91,7 @@ class MegatronCoreActor:
         logprob_chunk_size: int = 1024,
         reference_on: str = "auto",
         sort_by_length: bool = True,
+        engine_settings: Any = None,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -170,6 +172,9 @@ class MegatronCoreActor:
         self._scratch: dict[str, torch.Tensor] | None = None  # pinned host buffer for reference_on=pinned
         self.rollout_engine = None
         self._engine_weights_step: int | None = None
+        # the decode engine's settings (rollout.*; laconic_nemo.rollout.engine.EngineSettings), None: its defaults
+        self.engine_settings = engine_settings
+        self._decode_engine = None
         if self.kl_beta > 0:
             self.reset_reference()
 
@@ -234,6 +239,7 @@ class MegatronCoreActor:
             logprob_chunk_size=int(grpo.logprob_chunk_size),
             reference_on=str(grpo.reference_on),
             sort_by_length=bool(grpo.sort_by_length),
+            engine_settings=engine_settings_from_config(cfg, info.dp_size, on_gpu),
         )
         if hf_path is not None:
             from laconic_nemo.bridge import load_hf_checkpoint
@@ -624,74 +630,25 @@ class MegatronCoreActor:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        """Sample one response per prompt with megatron's KV cache (``InferenceParams``); see
-        :mod:`laconic_nemo.rollout.megatron_sampler` (``rollout.sampler``: the host float64 loop or the
-        on-device loop with finished rows compacted out of the batch and the KV cache). Returns CPU tensors,
-        identical on every TP/PP rank."""
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.inference_params import InferenceParams
-
+        """Sample one response per prompt with the decode engine (:mod:`laconic_nemo.rollout.engine`: static KV
+        cache, CUDA-graphed steps on GPU, ``rollout.sampler`` exact or device), or the attached rollout engine
+        (vLLM). Returns CPU tensors, identical on every TP/PP rank."""
         if self.rollout_engine is not None:
             return self._generate_with_engine(prompts, sampling)
         megatron_sampler.check_sampling(sampling)
         if not 0 <= sampling.eos_id < self.vocab_size:
             raise ValueError(f"sampling.eos_id must be in [0, {self.vocab_size}), got {sampling.eos_id}")
-        B = len(prompts)
-        max_len = max(len(p) for p in prompts) + int(sampling.max_new_tokens)
-        max_pos = getattr(self.module, "max_sequence_length", None)
-        if max_pos is not None and max_len > max_pos:
-            raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings {max_pos}")
-        params = InferenceParams(max_batch_size=B, max_sequence_length=max_len)
-        on_device = self.sampler == "device"
-
-        def step(tokens: torch.Tensor, start: int):
-            tok = tokens.to(self.device)
-            box: list[torch.Tensor] = []
-
-            def forward_step(data_iterator, model):
-                next(data_iterator)
-                out = model(tok, self._position_ids(*tok.shape, start=start), None, inference_params=params)
-
-                def loss_func(output):
-                    last = output[:, -1, :].float()
-                    full = tensor_parallel.gather_from_tensor_model_parallel_region(last)
-                    box.append(full[:, : self.vocab_size])
-                    return last.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
-
-                return out, loss_func
-
-            self._schedule(forward_step, [None], tok.shape[1], tok.shape[0], forward_only=True)
-            params.sequence_len_offset += tok.shape[1]
-            if self.is_last_stage and self.tp_rank == 0:
-                return box[0] if on_device else box[0].cpu()
-            return None
-
-        def broadcast(sampled: torch.Tensor | None, b: int) -> torch.Tensor:
-            # TP rank 0 of the last stage decides; its tokens go to the other TP ranks, then to other stages.
-            buf = sampled.to(self.device) if sampled is not None else torch.empty(b, dtype=torch.long, device=self.device)
-            if self.is_last_stage and self.info.tp_size > 1:
-                dist.broadcast(
-                    buf,
-                    src=parallel_state.get_tensor_model_parallel_src_rank(),
-                    group=parallel_state.get_tensor_model_parallel_group(),
-                )
-            buf = self._pp_broadcast(buf)
-            return buf if on_device else buf.cpu()
-
-        def compact(keep: torch.Tensor) -> None:
-            # keep only these rows of every layer's KV cache [max_seq, b, groups, head_dim]
-            for layer, (k, v) in params.key_value_memory_dict.items():
-                params.key_value_memory_dict[layer] = (k.index_select(1, keep), v.index_select(1, keep))
-            params.max_batch_size = params.current_batch_size = len(keep)
-
         with self._eval_mode():
-            if not on_device:
-                return megatron_sampler.sample(step, broadcast, prompts, sampling, stream=self.dp_rank,
-                                               pad_id=self.pad_id)
-            return megatron_sampler.sample_on_device(
-                step, broadcast, prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id, device=self.device,
-                compact=compact if self.compact_rows else None, sync_every=self.sync_every,
-            )
+            return self.decode_engine().generate(prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+
+    def decode_engine(self):
+        """The decode engine on this rank's GPTModel (built on first use; ``sampler``, ``sync_every`` and
+        ``compact_rows`` are read from the actor at every call)."""
+        if self._decode_engine is None:
+            self._decode_engine = DecodeEngine(self.model, self.vocab_size, self.engine_settings)
+        s = self._decode_engine.settings
+        s.sampler, s.sync_every, s.compact = self.sampler, self.sync_every, self.compact_rows
+        return self._decode_engine
 
     def attach_rollout_engine(self, engine) -> None:
         """Generate with ``engine`` (e.g. :class:`laconic_nemo.rollout.vllm.VLLMRolloutEngine`) instead of
@@ -881,10 +838,14 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
     if heads % tp != 0:
         raise ValueError(f"model.num_attention_heads={heads} must be divisible by tensor_model_parallel_size={tp}")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    groups = model_cfg.get("num_query_groups")
+    if groups is not None and int(groups) % tp != 0:
+        raise ValueError(f"model.num_query_groups={groups} must be divisible by tensor_model_parallel_size={tp}")
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=int(model_cfg["hidden_size"]),
         num_attention_heads=heads,
+        num_query_groups=None if groups is None else int(groups),
         ffn_hidden_size=int(model_cfg.ffn_hidden_size),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -15,9 +15,14 @@ Seams of NeMo-Aligner reused (names and signatures as in 0.7.0):
   normalisation) evaluated on tensor-parallel log-probs from
   ``nemo_aligner.utils.distributed.from_parallel_logits_to_logprobs`` (vocab-parallel logits are
   never gathered);
-* generation: ``prepare_for_inference`` / ``infer`` / ``finish_inference`` (NeMo's
+* generation, ``rollout.engine: megatron`` (the default): the project's decode engine
+  (:mod:`laconic_nemo.rollout.engine`) on the megatron-core ``GPTModel`` inside the ``MegatronGPTModel``,
+  between NeMo-Aligner's ``prepare_for_inference`` and ``finish_inference`` (eval mode, sequence parallelism
+  and activation recompute off, Adam states offloaded to CPU); the same sampler as the megatron-core actor,
+  over the tokenizer's vocabulary as NeMo's sampler (``text_generation_utils.py:995-996``);
+* generation, ``rollout.engine: nemo``: ``prepare_for_inference`` / ``infer`` / ``finish_inference`` (NeMo's
   ``MegatronGPTModel.generate`` with ``TrackLengthGPTModelTextGenerationStrategy``, or TRT-LLM when
-  ``trainer.reinforce.trt_llm.enable``; Adam states offloaded to CPU during rollout);
+  ``trainer.reinforce.trt_llm.enable``);
 * log-probs: ``get_inference_log_probs`` (pipeline schedule, broadcast from the last PP stage) and,
   for the reference policy, ``get_init_policy_logprobs`` (CPU weight swap of
   ``init_policy_state_dict`` from ``retrieve_model_state_dict_in_cpu``, or LoRA adapters off);
@@ -333,10 +338,14 @@ class NemoAlignerActor:
     grad_clip: global gradient-norm clip (0 disables).
     pad_id: padding token for prompts.
     restored_from: the NeMo checkpoint folder restored at start-up (None for a fresh run).
+    rollout_engine: ``megatron`` (the decode engine) or ``nemo`` (NeMo-Aligner's generation).
+    engine_settings: the decode engine's :class:`~laconic_nemo.rollout.engine.EngineSettings` (None: defaults).
+    vocab_size: the vocabulary the engine samples from (default: the tokenizer's, as NeMo's sampler).
     """
 
     def __init__(self, model, optimizer, scheduler, grad_clip: float, pad_id: int,
-                 restored_from: str | None = None):
+                 restored_from: str | None = None, rollout_engine: str = "megatron", engine_settings=None,
+                 vocab_size: int | None = None):
         from nemo_aligner.utils import parallel_state
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -352,10 +361,39 @@ class NemoAlignerActor:
         self.pp_rank = mps.get_pipeline_model_parallel_rank()
         self.model_parallel_group = mps.get_model_parallel_group()
         self._last_saved: str | None = None
+        if rollout_engine not in ("megatron", "nemo"):
+            raise ValueError(f"rollout.engine = {rollout_engine!r}: the NeMo-Aligner actor generates with megatron "
+                             "(the decode engine) or nemo")
+        self.rollout_engine = rollout_engine
+        self.engine_settings = engine_settings
+        self.vocab_size = vocab_size
+        self._decode_engine = None
 
     # ------------------------------------------------------------------ rollout
+    def decode_engine(self):
+        """The decode engine on the megatron-core GPTModel inside the NeMo model (built on first use)."""
+        from laconic_nemo.rollout.engine import DecodeEngine
+
+        if self._decode_engine is None:
+            vocab = self.vocab_size if self.vocab_size is not None else int(self.model.tokenizer.vocab_size)
+            self._decode_engine = DecodeEngine(self.model, vocab, self.engine_settings)
+        return self._decode_engine
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        if self.rollout_engine == "megatron":
+            return self._generate_with_decode_engine(prompts, sampling)
+        return self._generate_with_nemo(prompts, sampling)
+
+    def _generate_with_decode_engine(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        m = self.model
+        m.prepare_for_inference()  # eval, sequence parallelism and recompute off, Adam states to CPU
+        try:
+            return self.decode_engine().generate(prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+        finally:
+            m.finish_inference()
+
+    def _generate_with_nemo(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         m = self.model
         m._sampling_params.update(temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=0,
                                   use_greedy=False)

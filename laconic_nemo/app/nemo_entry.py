@@ -323,7 +323,12 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(model)
     tok = model.tokenizer
     pad_id = tok.pad_id if getattr(tok, "pad_id", None) is not None and tok.pad_id >= 0 else tok.eos_id
-    actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume)
+    from laconic_nemo.rollout.engine import engine_settings_from_config
+
+    actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume,
+                             rollout_engine=str(cfg.rollout.engine),
+                             engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
+                                                                         on_gpu=torch.cuda.is_available()))
 
     reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,

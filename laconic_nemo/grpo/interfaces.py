@@ -55,6 +55,9 @@ class GenerationOutput:
     response_lengths: LongTensor [N] response tokens in ``tokens`` (EOS counted).
     lengths: LongTensor [N] generated tokens WITHOUT EOS (the L of the cost).
     truncated: BoolTensor [N] True when the response hit max_new_tokens without EOS.
+    logprobs: optional FloatTensor [N, T-1]: log p of each response token under the engine's own forward at
+    the sampling temperature (position t scores token t+1, 0 elsewhere; the per-token layout of
+    :class:`TrainBatch`), for the rollout / training log-prob mismatch; None unless asked for.
     """
 
     tokens: torch.Tensor
@@ -62,6 +65,7 @@ class GenerationOutput:
     response_lengths: torch.Tensor
     lengths: torch.Tensor
     truncated: torch.Tensor
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass

@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+import engine_checks
 import reference_gpt as R  # the folder of this file: sys.path[0] as a script, tests/conftest.py under pytest
+import reference_loop
 import torch
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB = 2, 64, 4, 256, 41
@@ -180,6 +182,7 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
 
     ref_out = megatron_sampler.sample(ref_step, lambda x, b: x, prompts, sp, stream=actor.dp_rank)
     res["gen_matches_float64_recompute"] = torch.equal(ref_out.tokens, out.tokens)
+    res["gen_float64_tokens"] = ref_out.tokens
 
     # 3b. the on-device sampler (finished rows compacted out of the KV cache every 4 steps) against the same
     # loop on the float64 reference model, whose "cache" (the fed sequences) is compacted alike
@@ -197,6 +200,11 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
                                                 compact=compact, sync_every=4)
     res["dev_gen_matches_float64_recompute"] = torch.equal(ref_dev.tokens, dev_out.tokens)
     actor.sampler = "exact"
+    res["gen_matches_reference_loop"] = torch.equal(reference_loop.actor_reference(actor, prompts, sp).tokens,
+                                                    out.tokens)
+
+    # 3c. the decode engine against today's sampler loop (tests/dist/engine_checks.py)
+    engine_checks.run_checks(actor, EOS, res)
 
     # 4. checkpoint round trip: state after step 1, step 2 twice from it
     buf = io.BytesIO()

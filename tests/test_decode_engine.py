@@ -1,0 +1,274 @@
+"""The decode engine (laconic_nemo/rollout/engine.py) on CPU, one process (TP 1): its tokens against today's
+sampler, its log-probs against the model's own full forward, batch independence, compaction, passes, the
+rehearsed capture sequence, the KV-cache size check; and the pure pieces (buckets, KV rows, cache bytes).
+
+Today's sampler is the reference: ``megatron_sampler.sample`` (exact) and ``sample_on_device`` (device, finished
+rows compacted) driven by the megatron-core forward with megatron's ``InferenceParams`` cache
+(tests/dist/reference_loop.py). TP 2, PP 2 and DP 2 run in tests/test_megatron_actor.py's launches
+(tests/dist/engine_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from engine_models import build_model, full_forward_logprobs, response_positions, tiny_arch  # noqa: E402
+from reference_loop import model_reference  # noqa: E402
+
+from laconic_nemo.grpo.interfaces import SamplingParams  # noqa: E402
+from laconic_nemo.rollout.engine import DecodeEngine, EngineSettings  # noqa: E402
+from laconic_nemo.rollout.graphs import GraphRunner, bucket_for, kv_length  # noqa: E402
+from laconic_nemo.rollout.kv_cache import KVCacheShape, KVCacheTooLarge, StaticKVCache, check_fits  # noqa: E402
+
+torch.set_num_threads(1)
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+
+    info = init_distributed(1, 1, seed=0)
+    yield info
+    destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def models(dist1):
+    """local spec (Qwen2-like: GQA, qkv bias, tied embeddings), local spec with q/k norm and untied output
+    (Qwen3-like), TransformerEngine layout (norms fused into linear_qkv / linear_fc1)."""
+    return {
+        "qwen2": (build_model(tiny_arch(), "local", seed=0), 29),
+        "qwen3": (build_model(tiny_arch(qk_norm=True, tie_word_embeddings=False, qkv_bias=False, vocab_size=31),
+                              "local", attention="local", seed=1), 31),
+        "te": (build_model(tiny_arch(), "te", seed=2), 29),
+    }
+
+
+def grpo_prompts(seed: int = 5, n_unique: int = 5, G: int = 2, vocab: int = 29) -> list[list[int]]:
+    """n_unique prompts of 2..9 tokens (EOS excluded), each repeated G times in a row, as the trainer passes them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_unique):
+        p = torch.randint(4, vocab, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+        out += [p] * G
+    return out
+
+
+def settings(sampler: str, **kw) -> EngineSettings:
+    base = dict(sampler=sampler, sync_every=3, compact=True, batch_buckets=(2, 4, 6, 8, 9), kv_block=8)
+    return EngineSettings(**{**base, **kw})
+
+
+FIELDS = ("tokens", "prompt_lengths", "response_lengths", "lengths", "truncated")
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(getattr(a, k), getattr(b, k)) for k in FIELDS)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "te"])
+@pytest.mark.parametrize("sampler", ["exact", "device"])
+def test_tokens_equal_todays_sampler(models, family, sampler):
+    """Same seeds -> the same tokens, lengths and truncation flags as today's loop: prompts of different
+    lengths, groups of repeated prompts, EOS in the middle of the batch, top-p < 1, compaction into smaller
+    buckets; both sampler modes; both layer layouts."""
+    model, V = models[family]
+    prompts = grpo_prompts(vocab=V)
+    sp = SamplingParams(temperature=0.9, top_p=0.85, max_new_tokens=24, eos_id=EOS, seed=11)
+    ref = model_reference(model, V, prompts, sp, sampler=sampler, stream=2, sync_every=3)
+    eng = DecodeEngine(model, V, settings(sampler))
+    out = eng.generate(prompts, sp, stream=2)
+    assert same(out, ref)
+    assert out.truncated.any() and (~out.truncated).any()  # EOS mid-batch and rows running to the limit
+    assert eng.stats.compactions >= 1 and eng.stats.windows[-1][0] < eng.stats.windows[0][0]  # bucket shrank
+    assert eng.stats.prefill_prompts == 5 and eng.stats.prefill_forwards == 1  # each prompt prefilled once
+    # GRPO groups: the G samples of one prompt are different samples
+    assert not torch.equal(out.tokens[0], out.tokens[1])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "te"])
+def test_logprobs_match_the_models_full_forward(models, family):
+    """The engine's forward (prefill, then decode steps over the static cache, before and after compaction)
+    gives the same log-probs of the sampled tokens as the model's own full forward over the finished sequences,
+    at the sampling temperature; nothing outside the responses."""
+    model, V = models[family]
+    prompts = grpo_prompts(seed=8, vocab=V)
+    sp = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=20, eos_id=EOS, seed=3)
+    eng = DecodeEngine(model, V, settings("device"))
+    out = eng.generate(prompts, sp, return_logprobs=True)
+    inside = response_positions(out)
+    ref = full_forward_logprobs(model, V, out.tokens, temperature=0.7)
+    assert out.logprobs.shape == ref.shape
+    assert float((out.logprobs - ref)[inside].abs().max()) < 2e-5
+    assert float(out.logprobs[~inside].abs().max()) == 0.0
+    assert eng.stats.compactions >= 1
+
+
+def test_a_samples_tokens_do_not_depend_on_its_batch(models):
+    """Sample i's tokens are a function of (seed, stream, i, step): alone (i = 0), inside a larger batch, with
+    the other rows changed, in another pass (kv_cache_rows 3: three passes) or other buckets / sync points."""
+    model, V = models["qwen2"]
+    prompts = grpo_prompts(seed=9, n_unique=4, G=2)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=18, eos_id=EOS, seed=4)
+    for sampler in ("exact", "device"):
+        full = DecodeEngine(model, V, settings(sampler)).generate(prompts, sp)
+        alone = DecodeEngine(model, V, settings(sampler)).generate(prompts[:1], sp)
+        w = alone.tokens.shape[1]
+        assert torch.equal(alone.tokens, full.tokens[:1, :w]) and torch.equal(alone.lengths, full.lengths[:1])
+        others = [prompts[0][::-1]] * 5 + prompts[5:]  # rows 0-4 replaced
+        mixed = DecodeEngine(model, V, settings(sampler)).generate(others, sp)
+        for i in range(5, 8):
+            n = int(full.prompt_lengths[i] + full.response_lengths[i])
+            assert torch.equal(mixed.tokens[i, :n], full.tokens[i, :n])
+        passes = DecodeEngine(model, V, settings(sampler, kv_cache_rows=3, sync_every=2, batch_buckets=(1, 2)))
+        assert same(passes.generate(prompts, sp), full) and passes.stats.passes == 3
+        flat = DecodeEngine(model, V, settings(sampler, compact=False, sync_every=5, kv_block=64, prefill_tokens=9))
+        assert same(flat.generate(prompts, sp), full)
+        assert flat.stats.compactions == 0 and flat.stats.prefill_forwards >= 2  # a 9-token budget per forward
+
+
+@pytest.mark.parametrize("sampler", ["exact", "device"])
+def test_rehearsed_capture_sequence_keeps_the_tokens(models, sampler):
+    """The graph runner's warm-up before a capture (run the step twice, restore the state each time) changes
+    nothing: on CPU ``rehearse_graphs`` runs that sequence for every new (bucket, KV length) key."""
+    model, V = models["qwen2"]
+    prompts = grpo_prompts(seed=12)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, eos_id=EOS, seed=6)
+    plain = DecodeEngine(model, V, settings(sampler)).generate(prompts, sp, return_logprobs=True)
+    eng = DecodeEngine(model, V, settings(sampler, rehearse_graphs=True))
+    rehearsed = eng.generate(prompts, sp, return_logprobs=True)
+    assert same(plain, rehearsed) and torch.equal(plain.logprobs, rehearsed.logprobs)
+    assert len(eng.runner.rehearsed) >= 2  # several keys: buckets / KV lengths changed during the rollout
+
+
+def test_engine_reads_the_live_weights(models):
+    """An in-place optimiser update is seen by the next rollout (no stale copy of the weights in the engine)."""
+    model, V = models["qwen2"]
+    prompts = grpo_prompts(seed=13, n_unique=3)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, eos_id=EOS, seed=2)
+    eng = DecodeEngine(model, V, settings("exact"))
+    before = eng.generate(prompts, sp)
+    w = model.decoder.layers[0].mlp.linear_fc2.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(3.0)
+        after = eng.generate(prompts, sp)
+        assert same(after, model_reference(model, V, prompts, sp, sampler="exact"))
+        assert not torch.equal(after.tokens, before.tokens)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def test_kv_cache_that_does_not_fit_is_refused_before_allocation(models):
+    model, V = models["qwen2"]
+    eng = DecodeEngine(model, V, settings("exact", kv_cache_memory_fraction=1e-12))
+    with pytest.raises(KVCacheTooLarge, match=r"rollout\.kv_cache_memory_fraction.*rollout\.kv_cache_rows"):
+        eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, eos_id=EOS))
+    assert eng.cache is None and eng.slots is None  # nothing allocated
+
+
+@pytest.mark.parametrize("key, value", [("sync_every", 0), ("batch_buckets", (8, 4)), ("kv_block", 0),
+                                        ("prefill_tokens", 0), ("kv_cache_rows", 0), ("sampler", "auto"),
+                                        ("kv_cache_memory_fraction", 1.5)])
+def test_bad_settings_name_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"rollout\.{key}"):
+        EngineSettings(**{key: value}).check()
+
+
+# ---------------------------------------------------------------------------------------------- pure pieces
+def test_buckets_and_kv_lengths():
+    assert [bucket_for(n, (2, 4, 8), 6) for n in (1, 2, 3, 5, 6)] == [2, 2, 4, 6, 6]  # capped by the cache rows
+    assert bucket_for(9, (8, 16), 100) == 16 and bucket_for(17, (8, 16), 40) == 40  # above every bucket: all rows
+    with pytest.raises(ValueError):
+        bucket_for(7, (8,), 6)
+    assert [kv_length(n, 8, 30) for n in (1, 8, 9, 25, 29)] == [8, 8, 16, 30, 30]
+
+
+def test_kv_cache_bytes_hand_worked():
+    # Qwen2.5-1.5B on one GPU: 28 layers, 2 kv heads x 128, bf16; 48 rows x 5120 positions
+    s = KVCacheShape(28, 48, 5120, 2, 128, torch.bfloat16)
+    assert s.nbytes == 2 * 28 * 48 * 5120 * 2 * 128 * 2 == 7_046_430_720
+    assert s.bytes_per_token == 28_672  # 28.7 kB per cached token (shared/gpu/README.md)
+    check_fits(s, 0.3, 80 * 2**30, "x")
+    with pytest.raises(KVCacheTooLarge, match="rollout.kv_cache_memory_fraction = 0.05"):
+        check_fits(s, 0.05, 80 * 2**30, "x")
+
+
+def test_move_rows_is_a_gather_in_place():
+    shape = KVCacheShape(2, 6, 5, 1, 3, torch.float32)
+    cache = StaticKVCache(shape, "cpu")
+    cache.data.copy_(torch.randn(cache.data.shape))
+    before = cache.data.clone()
+    ptr = cache.data.data_ptr()
+    cache.move_rows([1, 3, 4], upto=4)
+    assert cache.data.data_ptr() == ptr
+    assert torch.equal(cache.data[:, :, :3, :4], before[:, :, [1, 3, 4], :4])
+    assert torch.equal(cache.data[:, :, :, 4:], before[:, :, :, 4:])  # past `upto`: untouched
+    with pytest.raises(ValueError):
+        cache.move_rows([2, 1], upto=4)
+
+
+def test_graph_runner_restores_state_around_the_warm_up():
+    counter = torch.zeros(1)
+    out = torch.zeros(1)
+
+    def step():
+        counter.add_(1)
+        out.copy_(counter * 10)
+
+    runner = GraphRunner("cpu", rehearse=True, warmup=3)
+    runner.run("a", step, [counter])
+    assert counter.item() == 1 and out.item() == 10  # three warm-ups restored, then one real step
+    runner.run("a", step, [counter])
+    assert counter.item() == 2  # a known key: no warm-up
+    assert GraphRunner("cpu", enabled=True).capture is False  # never captures off CUDA
+
+
+def test_transformer_engine_spec_layout_contract(monkeypatch):
+    """Contract with megatron-core 0.11's TransformerEngine spec (``gpt_layer_specs.py:136-150``; TE needs a GPU,
+    so its classes are replaced by markers to call the real spec function): the input norm is fused into
+    ``linear_qkv`` (``TELayerNormColumnParallelLinear``) and ``input_layernorm`` is left at the layer's
+    ``IdentityOp`` default (``transformer_layer.py:202``); ``pre_mlp_layernorm`` is ``IdentityOp`` for a dense
+    MLP and the norm is fused into ``linear_fc1``. The engine calls ``input_layernorm`` then ``linear_qkv`` and
+    ``pre_mlp_layernorm`` then ``mlp``, so this layout is served by construction; the TE-layout model of
+    tests/dist/engine_models.py (tested above and at TP 2) has exactly this structure."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    markers = {n: type(n, (), {}) for n in ("TEColumnParallelLinear", "TEDotProductAttention",
+                                            "TELayerNormColumnParallelLinear", "TENorm", "TERowParallelLinear")}
+    for name, cls in markers.items():
+        monkeypatch.setattr(specs, name, cls, raising=False)
+    monkeypatch.setattr(specs, "is_te_min_version", lambda *a, **k: True)
+    spec = specs.get_gpt_layer_with_transformer_engine_spec()
+    sub = spec.submodules
+    assert sub.input_layernorm is IdentityOp and TransformerLayerSubmodules().input_layernorm is IdentityOp
+    assert sub.self_attention.submodules.linear_qkv is markers["TELayerNormColumnParallelLinear"]
+    assert sub.pre_mlp_layernorm is IdentityOp
+    assert sub.mlp.submodules.linear_fc1 is markers["TELayerNormColumnParallelLinear"]
+    # the stand-in layout used by the tests
+    from engine_models import FusedNormColumnParallelLinear, te_shaped_spec
+
+    mine = te_shaped_spec(tiny_arch()).submodules
+    assert mine.input_layernorm is IdentityOp and mine.pre_mlp_layernorm is IdentityOp
+    assert mine.self_attention.submodules.linear_qkv is FusedNormColumnParallelLinear
+    assert mine.mlp.submodules.linear_fc1 is FusedNormColumnParallelLinear
+
+
+def test_a_result_survives_the_next_call(models):
+    """The returned tensors are the caller's: on a CPU device ``.cpu()`` of a static buffer would alias it, and the
+    next rollout would rewrite the previous one's tokens."""
+    model, V = models["qwen2"]
+    eng = DecodeEngine(model, V, settings("device"))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, eos_id=EOS, seed=1)
+    first = eng.generate(grpo_prompts(seed=14), sp, return_logprobs=True)
+    kept = {k: getattr(first, k).clone() for k in (*FIELDS, "logprobs")}
+    eng.generate(grpo_prompts(seed=15), SamplingParams(temperature=1.0, max_new_tokens=10, eos_id=EOS, seed=2),
+                 return_logprobs=True)
+    assert all(torch.equal(getattr(first, k), v) for k, v in kept.items())

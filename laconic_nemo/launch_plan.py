@@ -64,6 +64,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     tokenizer: str | None = None          # HF folder whose tokenizer was loaded (None: not readable here)
     end_strings: list[str] | None = None  # NeMo sampler end strings (single tokens of that tokenizer)
+    training_memory: str | None = None    # megatron-core actor: activations per micro-batch, the recompute that fits
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -170,6 +171,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
             except ValueError as exc:
                 raise LayoutError(f"data.train_files: {exc}") from exc
 
+    memory = training_memory(cfg, hf, tp, pp, mini // (dp * mbs)) if actor == "megatron_core" else None
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
         actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
@@ -177,8 +179,41 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         samples_per_rank=rollout // dp, micro_batches_per_step=mini // (dp * mbs), max_new_tokens=lmax,
         budget=cfg.laconic.budget, max_generated_tokens_per_step=rollout * lmax,
         budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
-        conversion_needed=conversion, warnings=warnings,
+        conversion_needed=conversion, warnings=warnings, training_memory=memory,
     )
+
+
+def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
+    """The megatron-core actor's training memory on one H100 80 GB by :mod:`laconic_nemo.actors.memory`: the
+    activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single row up to L_max;
+    unpacked: micro_batch_size rows of L_max) and the recompute setting that fits (``grpo.recompute_layers``:
+    null chooses it the same way on the device). Shape from the HF config when readable, else from model.*
+    (key-value heads then taken = attention heads)."""
+    from laconic_nemo.actors import memory
+
+    m, g = cfg.model, cfg.grpo
+    h = int(hf["hidden_size"]) if hf else int(m.hidden_size)
+    heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
+    shape = memory.LayerShape(
+        hidden=h, heads=heads, groups=int(hf.get("num_key_value_heads", heads)) if hf else heads,
+        head_dim=int(hf.get("head_dim") or h // heads) if hf else h // heads,
+        ffn=int(hf["intermediate_size"]) if hf else int(m.ffn_hidden_size),
+        layers=int(hf["num_hidden_layers"]) if hf else int(m.num_layers),
+        vocab=-(-int(hf["vocab_size"] if hf else m.vocab_size) // (128 * tp)) * 128 * tp,
+        gated=bool(hf) or m.source != "synthetic")
+    lmax = int(cfg.rollout.max_new_tokens)
+    if g.micro_batch_tokens:
+        tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"
+    else:
+        tokens, seq, what = int(g.micro_batch_size) * lmax, lmax, f"{int(g.micro_batch_size)} rows of L_max"
+    tied = bool(hf.get("tie_word_embeddings", False)) if hf else False
+    kernel = "local" if m.attention == "local" else "flash"
+    mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
+                            kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
+                            reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
+                            num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size), seq=seq)
+    fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
+    return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
 
 
 def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
@@ -286,6 +321,8 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
     if plan.tokenizer:
         lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
                                                               else ""))
+    if plan.training_memory:
+        lines.append(f"train memory     {plan.training_memory}")
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]

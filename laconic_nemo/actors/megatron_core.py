@@ -438,18 +438,8 @@ class MegatronCoreActor:
         return per_stage if chosen is None else chosen
 
     def set_recompute(self, layers: int) -> None:
-        """Full activation recompute of the first ``layers`` layers of every pipeline stage (megatron reads
-        these TransformerConfig fields at every forward): 0 = none; all layers = megatron's ``uniform`` method,
-        fewer = its ``block`` method."""
-        c, per_stage = self.config, self.config.num_layers // self.info.pp_size
-        n = max(0, min(int(layers), per_stage))
-        if n == 0:
-            c.recompute_granularity = c.recompute_method = c.recompute_num_layers = None
-        elif n == per_stage:
-            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
-        else:
-            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "block", n
-        self.recompute_layers = n
+        """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""
+        self.recompute_layers = set_recompute(self.config, layers, self.config.num_layers // self.info.pp_size)
 
     def _schedule(self, forward_step: Callable, micro_batches: list, seq_length: int, micro_batch_size: int,
                   forward_only: bool) -> list:
@@ -956,6 +946,21 @@ class MegatronCoreActor:
             if t.shape != p.shape:
                 raise ValueError(f"{key}: shard shape {tuple(t.shape)} does not match parameter {tuple(p.shape)}")
             p.data.copy_(t.to(p.device, p.dtype))
+
+
+def set_recompute(config: Any, layers: int, layers_per_stage: int) -> int:
+    """Full activation recompute of the first ``layers`` layers of every pipeline stage on megatron's
+    TransformerConfig (its TransformerBlock reads these fields at every forward, ``transformer_block.py:358-391``):
+    0 = none; all of the stage's layers = the ``uniform`` method, one layer per checkpoint; fewer = the ``block``
+    method. Returns the number of layers recomputed per stage."""
+    n = max(0, min(int(layers), layers_per_stage))
+    if n == 0:
+        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
+    elif n == layers_per_stage:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+    else:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "block", n
+    return n
 
 
 def global_param_name(name: str, pp_rank: int, layers_per_stage: int) -> str:

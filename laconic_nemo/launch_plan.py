@@ -211,7 +211,8 @@ def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_ba
     mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
                             kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
                             reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
-                            num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size), seq=seq)
+                            num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size), seq=seq,
+                            fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
 

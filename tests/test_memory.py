@@ -67,22 +67,26 @@ def models(mp_state):
 
     arch = ModelArch(**ARCH)
     out = {}
-    for attention in ("local", "sdpa"):
+    for attention, fused in (("local", False), ("sdpa", False), ("sdpa", True)):
         torch.manual_seed(0)
-        out[attention] = build_gpt_model(arch, transformer_config(arch, 1, 1, cpu=True), attention=attention)
+        # bias_activation_fusion: megatron's fused SwiGLU (torch.jit, runs on CPU too), on by default on GPU
+        cfg = transformer_config(arch, 1, 1, cpu=True, bias_activation_fusion=fused)
+        out[(attention, fused)] = build_gpt_model(arch, cfg, attention=attention)
     return arch, out
 
 
-@pytest.mark.parametrize("attention,kernel", [("sdpa", "dense"), ("local", "local")])
+@pytest.mark.parametrize("attention,kernel,fused", [("sdpa", "dense", False), ("local", "local", False),
+                                                    ("sdpa", "dense", True)])
 @pytest.mark.parametrize("lengths", [[40, 30, 26], [100, 92]])
-def test_layer_formula_is_what_autograd_keeps(models, attention, kernel, lengths):
+def test_layer_formula_is_what_autograd_keeps(models, attention, kernel, fused, lengths):
     arch, built = models
-    model = built[attention]
+    model = built[(attention, fused)]
     shape = _shape(arch, model.vocab_size)
     saved = _saved_bytes(model, lengths)
     S = sum(lengths)
     for i in range(arch.num_layers):
-        assert saved[f"layer{i}"] == memory.layer_bytes_per_token(shape, tp=1, dtype_bytes=4, kernel=kernel, seq=S) * S
+        expect = memory.layer_bytes_per_token(shape, tp=1, dtype_bytes=4, kernel=kernel, seq=S, fused_swiglu=fused)
+        assert saved[f"layer{i}"] == expect * S
     # outside the layers: embedding indices, final norm, output layer (the logits are kept by the log-prob chunks)
     head = memory.head_bytes_per_token(shape, tp=1, dtype_bytes=4) - 3 * 4 * shape.vocab
     assert saved["other"] == head * S
@@ -97,7 +101,7 @@ def test_recomputed_layers_keep_only_their_input(models, layers):
     from laconic_nemo.actors.megatron_core import set_recompute
 
     arch, built = models
-    model = built["sdpa"]
+    model = built[("sdpa", False)]
     shape, lengths = _shape(arch, model.vocab_size), [40, 30, 26]
     S = sum(lengths)
     plain = _saved_bytes(model, lengths)
@@ -134,7 +138,7 @@ def test_recompute_choice_is_the_fewest_layers_that_fit():
 
 def _peak_with(shape, tokens, n, dtype_bytes=2) -> float:
     """Peak bytes with n of the layers recomputed at PP 1, written out from the module docstring's terms."""
-    layer = memory.layer_bytes_per_token(shape, 1, dtype_bytes, "flash", tokens) * tokens
+    layer = memory.layer_bytes_per_token(shape, 1, dtype_bytes, "flash", tokens, fused_swiglu=True) * tokens
     kept = dtype_bytes * shape.hidden * tokens
     acts = (shape.layers - n) * layer + n * kept + (layer if n else 0)
     head = memory.head_bytes_per_token(shape, 1, dtype_bytes) * tokens + 12 * 1024 * shape.vocab

@@ -423,7 +423,8 @@ class MegatronCoreActor:
             dtype_bytes=torch.finfo(self.config.params_dtype).bits // 8, kernel=kernel,
             params=sum(p.numel() for p in self.module.parameters()),
             reference_on_device=self._ref_state is not None and self.reference_on == "device",
-            num_micro_batches=num_micro_batches, logprob_chunk=self.logprob_chunk_size, seq=seq)
+            num_micro_batches=num_micro_batches, logprob_chunk=self.logprob_chunk_size, seq=seq,
+            fused_swiglu=bool(self.config.bias_activation_fusion))
 
     def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:
         """Layers per pipeline stage to recompute for micro-batches of ``tokens`` tokens (``recompute_setting``;

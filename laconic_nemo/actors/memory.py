@@ -8,13 +8,15 @@ project builds (megatron-core's local spec: RMSNorm, grouped-query attention wit
 bytes per token and layer, at activation width ``d`` bytes (2 for bf16) and tensor parallelism ``t`` (no
 sequence parallelism: the tensors of width ``h`` are replicated over the TP ranks)::
 
-    d (6 h + 2 + 4 hd + 4 f / t) + attention        (2 f / t instead of 4 f / t for a plain, ungated MLP)
+    d (6 h + 2 + 4 hd + 4 f / t) + attention
 
     6 h    the two RMSNorms keep their input and their normalised output (4 h), the QKV and fc1 linears
            their input (2 h)
     2      the two norms' 1 / rms
     4 hd   RoPE's cos and sin for q and for k (one head wide)
-    4 f/t  fc1's output (gate and up, 2 f), the SwiGLU output and fc2's input (f each)
+    4 f/t  fc1's output (gate and up, 2 f), the SwiGLU output and fc2's input (f each); 3 f / t with megatron's
+           fused SwiGLU (``bias_activation_fusion``, on GPU: ``fusions/fused_bias_swiglu.py`` keeps only its
+           input); 2 f / t for a plain, ungated MLP
 
 and the attention term by kernel (q = heads x hd, kv = query groups x hd, np = heads, s = tokens of the
 micro-batch's sequence)::
@@ -88,13 +90,14 @@ class LayerShape:
 
 
 def layer_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2, kernel: str = "flash",
-                          seq: int = 0) -> float:
+                          seq: int = 0, fused_swiglu: bool = True) -> float:
     """Bytes one layer keeps for backward per token of a micro-batch whose sequence has ``seq`` tokens (the
     dense and local kernels grow with it). See the module docstring."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     d, t = dtype_bytes, tp
-    common = d * (6 * shape.hidden + 2 + 4 * shape.head_dim + (4 if shape.gated else 2) * shape.ffn / t)
+    mlp = (3 if fused_swiglu else 4) if shape.gated else 2
+    common = d * (6 * shape.hidden + 2 + 4 * shape.head_dim + mlp * shape.ffn / t)
     if kernel == "flash":
         attn = d * (4 * shape.q + 3 * shape.kv) / t + 8 * shape.heads / t
     elif kernel == "dense":
@@ -147,32 +150,41 @@ class MemoryPlan:
     peak_gib: float  # predicted peak with that setting (with every layer recomputed when nothing fits)
     device_gib: float
     layers_per_stage: int
+    peaks_gib: list[float]  # predicted peak with n = 0 .. layers_per_stage layers recomputed
 
     def describe(self) -> str:
+        dev = f"{self.device_gib:.1f} GiB"
         if self.recompute_layers is None:
-            setting = (f"does not fit even with every layer recomputed ({self.peak_gib:.1f} GiB > "
-                       f"{USABLE_FRACTION:.0%} of {self.device_gib:.1f} GiB): lower grpo.micro_batch_tokens")
+            setting = (f"does not fit even with every layer recomputed ({size(self.peak_gib)} > "
+                       f"{USABLE_FRACTION:.0%} of {dev}): lower grpo.micro_batch_tokens")
         elif self.recompute_layers == 0:
-            setting = f"no recompute (fits: {self.peak_gib:.1f} of {self.device_gib:.1f} GiB)"
+            setting = f"no recompute (fits: {size(self.peak_gib)} of {dev})"
         else:
             setting = (f"recompute {self.recompute_layers}/{self.layers_per_stage} layers per stage (peak "
-                       f"{self.peak_gib:.1f} of {self.device_gib:.1f} GiB)")
-        return (f"activations {self.activation_gib:.1f} GiB per micro-batch of {self.tokens} tokens, static "
-                f"{self.static_gib:.1f} GiB -> {setting}")
+                       f"{size(self.peak_gib)} of {dev})")
+        return (f"activations {size(self.activation_gib)} per micro-batch of {self.tokens} tokens, static "
+                f"{size(self.static_gib)} -> {setting}")
+
+
+def size(gib: float) -> str:
+    """``gib`` as GiB with one decimal, or MiB below 1 GiB."""
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
 def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, pp: int = 1, dtype_bytes: int = 2,
                 kernel: str = "flash", params: int | None = None, reference_on_device: bool = False,
-                num_micro_batches: int | None = None, logprob_chunk: int = 1024, seq: int | None = None) -> MemoryPlan:
+                num_micro_batches: int | None = None, logprob_chunk: int = 1024, seq: int | None = None,
+                fused_swiglu: bool = True) -> MemoryPlan:
     """The fewest layers per pipeline stage to recompute so that the fullest rank stays within
     ``USABLE_FRACTION`` of ``device_gib``, for micro-batches of ``tokens`` tokens (``seq``: the longest sequence
     inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
-    ``params``: this rank's parameter count (default :func:`params_per_rank`)."""
+    ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
+    ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.kernels.fusion_flags`)."""
     L = shape.layers // pp
     seq = tokens if seq is None else seq
     n_params = params if params is not None else params_per_rank(shape, tp, pp)
     static = static_bytes(n_params, dtype_bytes, reference_on_device)
-    layer = layer_bytes_per_token(shape, tp, dtype_bytes, kernel, seq) * tokens
+    layer = layer_bytes_per_token(shape, tp, dtype_bytes, kernel, seq, fused_swiglu) * tokens
     kept = recomputed_layer_bytes_per_token(shape, dtype_bytes) * tokens
     in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
     # PP = 1: the only stage also holds the head; PP > 1: the first stage holds more micro-batches, the last the head
@@ -188,4 +200,4 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
     choice = next((n for n in range(L + 1) if peak(n) <= budget), None)
     return MemoryPlan(tokens=int(tokens), activation_gib=(L * layer + head) / GIB, static_gib=static / GIB,
                       in_flight=in_flight, recompute_layers=choice, peak_gib=peak(L if choice is None else choice) / GIB,
-                      device_gib=float(device_gib), layers_per_stage=L)
+                      device_gib=float(device_gib), layers_per_stage=L, peaks_gib=[peak(n) / GIB for n in range(L + 1)])

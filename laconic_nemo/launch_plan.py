@@ -192,26 +192,28 @@ def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_ba
     from laconic_nemo.actors import memory
 
     m, g = cfg.model, cfg.grpo
-    h = int(hf["hidden_size"]) if hf else int(m.hidden_size)
-    heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
+    hf = hf or {}
+
+    def dim(hf_key: str, recipe_value) -> int:  # the checkpoint's value when it has one, else the recipe's
+        return int(hf.get(hf_key) or recipe_value)
+
+    h, heads = dim("hidden_size", m.hidden_size), dim("num_attention_heads", m.num_attention_heads)
     shape = memory.LayerShape(
-        hidden=h, heads=heads, groups=int(hf.get("num_key_value_heads", heads)) if hf else heads,
-        head_dim=int(hf.get("head_dim") or h // heads) if hf else h // heads,
-        ffn=int(hf["intermediate_size"]) if hf else int(m.ffn_hidden_size),
-        layers=int(hf["num_hidden_layers"]) if hf else int(m.num_layers),
-        vocab=-(-int(hf["vocab_size"] if hf else m.vocab_size) // (128 * tp)) * 128 * tp,
-        gated=bool(hf) or m.source != "synthetic")
+        hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
+        ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
+        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic")
     lmax = int(cfg.rollout.max_new_tokens)
     if g.micro_batch_tokens:
         tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"
     else:
         tokens, seq, what = int(g.micro_batch_size) * lmax, lmax, f"{int(g.micro_batch_size)} rows of L_max"
-    tied = bool(hf.get("tie_word_embeddings", False)) if hf else False
+    tied = bool(hf.get("tie_word_embeddings", False))
     kernel = "local" if m.attention == "local" else "flash"
     mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
                             kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
                             reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
-                            num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size), seq=seq,
+                            num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
+                            logprob_chunk=int(g.logprob_chunk_size), seq=seq,
                             fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"

@@ -89,6 +89,26 @@ def test_unpack_passes_gradients_to_the_scored_positions_only():
     assert v.grad.tolist() == [1, 1, 1, 0, 1, 1, 0]
 
 
+def test_packed_seq_params_follow_the_thd_contract():
+    """What TransformerEngine's THD attention is handed (no TE here, so a contract): megatron-core passes every
+    PackedSeqParams field to TE's DotProductAttention as a keyword (megatron/core/extensions/transformer_engine.py
+    :715-716 and :760-763, thd with a causal mask becomes padding_causal at :796-801); NeMo-RL builds the same
+    object with int32 cu_seqlens, qkv_format "thd" and Python-int max_seqlen (nemo_rl/models/megatron/common.py,
+    _pack_sequences_for_megatron), and RoPE's table is max(max_seqlen_q, max_seqlen_kv) long
+    (megatron/core/models/common/embeddings/rotary_pos_embedding.py:198-201)."""
+    batch = _batch([5, 9, 3, 7], 10)
+    for pad in (False, True):
+        for p in build_packs(batch, 12, pad_to_longest=pad):
+            params = packed_seq_params(p.cu_seqlens.long(), p.max_seqlen)  # int64 in: int32 out
+            assert params.qkv_format == "thd"
+            assert params.cu_seqlens_q.dtype == params.cu_seqlens_kv.dtype == torch.int32
+            assert torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)
+            assert params.cu_seqlens_q[0] == 0 and params.cu_seqlens_q[-1] == p.size  # the tail is a segment too
+            assert type(params.max_seqlen_q) is int and params.max_seqlen_q == params.max_seqlen_kv
+            assert params.max_seqlen_q == int((params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).max())
+            assert params.cu_seqlens_q_padded is None and params.cu_seqlens_kv_padded is None
+
+
 def test_document_causal_mask_by_hand():
     m = document_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), 5).int()
     assert m.tolist() == [[1, 0, 0, 0, 0],

@@ -564,7 +564,8 @@ class MegatronCoreActor:
                  temperature: float = 1.0) -> torch.Tensor:
         """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32) at ``temperature``, identical on every
         TP/PP rank. Position ``j`` is log p(token j+1 | tokens <= j); it is 0 from each row's end on (j + 1 >=
-        prompt + response length), where nothing is scored."""
+        prompt + response length), where nothing is scored. Packed micro-batches of ``micro_batch_tokens``
+        (``micro_batch_size`` applies only without packing)."""
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if reference:
@@ -654,6 +655,9 @@ class MegatronCoreActor:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
         """One optimiser step on this DP rank's minibatch ``batch``; see the module docstring.
 
+        Micro-batches: packs of ``micro_batch_tokens`` tokens, whose log-probs [k, W-1] and rows reach
+        ``loss_fn`` as a padded micro-batch would (``micro_batch_size`` applies only without packing). Activation
+        recompute for this step: :meth:`_choose_recompute`.
         Returns the loss metrics summed over micro-batches and DP ranks (loss functions report shares of
         global means), plus ``grad_norm`` (before clipping) and ``lr``; identical on every rank.
         """

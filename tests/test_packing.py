@@ -191,3 +191,50 @@ def test_megatron_gpt_on_a_pack_equals_each_row_alone_in_float64(mp_state, atten
     assert (packed - alone).abs().max() < 1e-12
     assert max(float((g_packed[n] - g_alone[n]).abs().max()) for n in g_alone) < 1e-12
     assert (causal - alone)[:, 5:].abs().max() > 1e-3  # the later rows need the document mask
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_grpo_loss_over_packs_equals_the_padded_batch_in_float64(mp_state, aggregation):
+    """The GRPO loss summed over packs (each pack's log-probs cut back into rows and handed to the loss with the
+    pack's rows of the batch) equals the loss of the padded batch, value and weight gradients, in float64 through
+    megatron-core's GPTModel, for both aggregations over the global token / sequence counts."""
+    from laconic_nemo.bridge import ModelArch
+    from laconic_nemo.bridge.megatron import build_gpt_model, transformer_config
+    from laconic_nemo.grpo.loss import make_grpo_loss_fn
+
+    arch = ModelArch(**ARCH)
+    torch.manual_seed(1)
+    model = build_gpt_model(arch, transformer_config(arch, 1, 1, cpu=True, dtype=torch.float64), attention="sdpa")
+    model.to(torch.float64)
+    g = torch.Generator().manual_seed(7)
+    n, T = 6, 14
+    prompt = torch.randint(2, 6, (n,), generator=g)
+    resp = torch.stack([torch.randint(1, T - int(p) + 1, (1,), generator=g)[0] for p in prompt])
+    tokens = torch.randint(0, arch.vocab_size, (n, T), generator=g)
+    mask = torch.zeros(n, T - 1, dtype=torch.float64)
+    for i in range(n):
+        mask[i, int(prompt[i]) - 1 : int(prompt[i] + resp[i]) - 1] = 1.0
+    batch = TrainBatch(tokens, prompt, resp, mask, advantages=torch.randn(n, generator=g, dtype=torch.float64),
+                       old_logprobs=(-3.0 + 0.3 * torch.randn(n, T - 1, generator=g, dtype=torch.float64)) * mask)
+    fn = make_grpo_loss_fn(0.2, 0.28, 0.0, aggregation, float(mask.sum()), float(n))
+
+    def next_token_logprobs(logits, tok):  # [b, s, V] -> [b, s-1]
+        return torch.log_softmax(logits[:, :-1, : arch.vocab_size], -1).gather(-1, tok[:, 1:, None])[..., 0]
+
+    model.zero_grad()
+    padded, _ = fn(next_token_logprobs(model(tokens, torch.arange(T).expand(n, T), None), tokens), batch)
+    padded.backward()
+    g_padded = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    model.zero_grad()
+    packs = build_packs(batch, 24)
+    assert len(packs) >= 2
+    total = 0.0
+    for p in packs:
+        logits = model(p.tokens, p.position_ids, None, packed_seq_params=packed_seq_params(p.cu_seqlens, p.max_seqlen))
+        lp = torch.log_softmax(logits[0, :, : arch.vocab_size], -1).gather(-1, torch.roll(p.tokens[0], -1)[:, None])[:, 0]
+        loss, _ = fn(p.unpack(lp), p.batch)
+        loss.backward()
+        total = total + float(loss)
+    assert abs(total - float(padded)) < 1e-12
+    assert max(float((p.grad - g_padded[k]).abs().max()) for k, p in model.named_parameters()) < 1e-12

@@ -25,13 +25,18 @@ megatron-core GPTModel (the actor) and once as the Hugging Face model with the s
    the engine's draws are uniform over its first ``1/h`` token ids (``vocab_size`` of the engine), which ends a
    row on EOS (id 0) with probability h per token; the output matmul still runs over the whole vocabulary;
 4. the projected wall time of the paper's 500-step run on 16 H100 (2 x 8, DP 16): per step one rank's rollout
-   (3.) + old and reference log-probs of its 48 responses + 4 optimiser steps of 12 responses (micro-batch 4),
+   (3.) + old and reference log-probs of its 48 responses + 4 optimiser steps of 12 responses (packed, the
+   default),
    each measured here on that rollout's tokens; not measured (listed in the output): the DP gradient all-reduce,
    reward grading, checkpoints;
-5. one GRPO optimiser step at the paper's shapes (prompts ~200 tokens, responses of 300-4096 tokens,
-   micro-batch 4): tokens/s, MFU against the device's bf16 peak (the data-sheet value, and a bf16 matmul
-   measured in the same run), peak memory, and the share of processed tokens that are padding, with the
-   length-sorted micro-batches (``grpo.sort_by_length``) and without; attention sdpa vs megatron's local one.
+5. one GRPO optimiser step at the paper's shapes (prompts ~200 tokens, responses of 300-4096 tokens):
+   tokens/s, MFU against the device's bf16 peak (the data-sheet value, and a bf16 matmul measured in the same
+   run), peak memory, and the share of processed tokens that are padding, for the packed micro-batches (the
+   default, ``grpo.micro_batch_tokens``: rows concatenated, document-causal attention) beside today's padded
+   micro-batches of ``--micro-batch`` rows, length-sorted (``grpo.sort_by_length``) and not; attention sdpa vs
+   megatron's local one. Every training row also prints the activation memory per micro-batch that
+   ``laconic_nemo.actors.memory`` predicts, the recompute setting it picks for the device, and its predicted
+   peak for the setting used (on CPU: for an H100 80 GB).
 
 ``--profile``: ``torch.profiler`` over the engine's decode steps at the first engine row: GPU kernels and graph
 launches per token and the GPU busy share (CUDA), or operators per decode step (CPU).
@@ -133,6 +138,12 @@ def matmul_tflops(device) -> float | None:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 
 
+def size(gib: float) -> str:
+    from laconic_nemo.actors.memory import size as _size
+
+    return _size(gib)
+
+
 def build_actor(arch, attention: str, device, dtype, args):
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.bridge.megatron import actor_kwargs
@@ -141,21 +152,19 @@ def build_actor(arch, attention: str, device, dtype, args):
     info = init_distributed(1, 1, backend="auto", seed=0)
     kw = actor_kwargs(arch, 1, 1, cpu=device.type != "cuda", dtype=dtype, attention=attention)
     return MegatronCoreActor(info, **kw, lr=1e-6, micro_batch_size=args.micro_batch, kl_beta=0.0,
-                             sampler="device", sort_by_length=True)
+                             sampler="device", sort_by_length=True, micro_batch_tokens=args.micro_batch_tokens)
 
 
-def set_recompute(config, setting: str, num_layers: int) -> str:
-    """Activation recompute on megatron's TransformerConfig (read at every forward): ``all`` (every layer),
-    ``0`` (none) or N (the first N layers, megatron's "block" method). Returns a label."""
-    n = num_layers if setting == "all" else int(setting)
-    if n <= 0:
-        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
-        return "no recompute"
-    config.recompute_granularity, config.recompute_num_layers = "full", min(n, num_layers)
-    config.recompute_method = "uniform" if n >= num_layers else "block"
-    if n >= num_layers:
-        config.recompute_num_layers = 1
-    return f"recompute {min(n, num_layers)}/{num_layers} layers"
+def recompute_setting(setting: str, num_layers: int) -> int | None:
+    """``grpo.recompute_layers`` for a command-line setting: ``auto`` (None: chosen by memory), ``all`` or N."""
+    if setting == "auto":
+        return None
+    return num_layers if setting == "all" else int(setting)
+
+
+def recompute_label(layers: int, num_layers: int, setting: int | None) -> str:
+    how = "by memory: " if setting is None else ""
+    return f"{how}no recompute" if layers == 0 else f"{how}recompute {layers}/{num_layers} layers"
 
 
 def free(*objs):
@@ -338,6 +347,31 @@ def reference_placements(actor, arch, prompt_len: int, max_resp: int, device, ad
     actor._ref_state = None
 
 
+def packed_padding_share(actor, batch) -> float:
+    """Share of the processed positions that are padding with the actor's packed micro-batches (tails padded
+    to one size under pipeline parallelism only)."""
+    packs = actor._packs(batch)
+    return 1.0 - sum(p.real_tokens for p in packs) / sum(p.size for p in packs)
+
+
+def micro_batch_memory(actor, batch, packed: bool, device) -> tuple[str, list[float]]:
+    """The memory model's line for the largest micro-batch of ``batch`` (activations, static, the recompute that
+    fits the device; on CPU an H100 80 GB) and its predicted peaks by number of recomputed layers."""
+    from laconic_nemo.actors import memory
+
+    if packed:
+        packs = actor._packs(batch)
+        tokens, seq, n = max(p.size for p in packs), max(p.max_seqlen for p in packs), len(packs)
+    else:
+        micro, _ = actor._micro_batches(batch, min(actor.micro_batch_size, len(batch)))
+        seq = max(mb.tokens.shape[1] for mb in micro)
+        tokens, n = seq * min(actor.micro_batch_size, len(batch)), len(micro)
+    gib = None if device.type == "cuda" else memory.H100_GIB
+    mp = actor.plan_memory(tokens, seq, n, device_gib=gib)
+    where = "" if device.type == "cuda" else " [for an H100 80 GB]"
+    return mp.describe() + where, mp.peaks_gib
+
+
 def padding_share(batch, mbs: int, sort: bool) -> float:
     """Share of the processed token positions that are padding, for micro-batches of ``mbs`` rows."""
     ends = (batch.prompt_lengths + batch.response_lengths).tolist()
@@ -440,7 +474,7 @@ def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, c
         actor.logprobs(full, micro_batch_size=4)
         sync(device)
         t_lp = time.perf_counter() - t
-        set_recompute(actor.config, "all" if not cpu else "0", arch.num_layers)
+        actor.micro_batch_tokens, actor.recompute_setting = args.micro_batch_tokens, None  # the defaults
         mini = full.select(slice(0, max(1, n // PAPER_OPT_STEPS)))
         r = time_train(actor, mini, device, 1)
         t_train = r["s_per_step"]
@@ -451,7 +485,8 @@ def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, c
     hours = PAPER_STEPS * step / 3600
     add("projection", f"paper run: {PAPER_STEPS} steps x ({rows} responses per GPU, {PAPER_GPUS} GPUs)",
         f"{step:.1f} s/step = rollout {dt:.1f} + 2 x log-probs {t_lp:.1f} (old, reference) + {PAPER_OPT_STEPS} x "
-        f"optimiser step {t_train:.1f} ({len(mini)} rows, micro-batch {args.micro_batch})",
+        f"optimiser step {t_train:.1f} ({len(mini)} rows, packs of <= {args.micro_batch_tokens} tokens, recompute by "
+        f"memory)",
         f"{hours:.2f} h", "not measured: DP all-reduce, reward, checkpoints")
     actor = None
     free()
@@ -469,9 +504,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-response", type=int, default=None, help="longest response (default 4096; 48 on cpu)")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=2)
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="token budget of a packed micro-batch (grpo.micro_batch_tokens; default 16384, 128 on cpu; "
+                         "0 skips the packed step)")
     ap.add_argument("--recompute-layers", default="all",
-                    help="GPU: comma list of settings to train with, each a number of layers whose activations are "
-                         "recomputed in backward (all = every layer; 0 = none); e.g. all,14")
+                    help="GPU: comma list of settings to train the padded micro-batches with, each a number of layers "
+                         "whose activations are recomputed in backward (all = every layer; 0 = none); e.g. all,14")
     ap.add_argument("--engine-rows", default=None, help="rows of the engine rollouts (default 64,256; 8,32 on cpu)")
     ap.add_argument("--deepseek-rows", type=int, default=PAPER_ROWS_PER_GPU, help="rows of the DeepSeek-shaped "
                     "rollout (default 48: one rank of the flagship layout)")
@@ -481,6 +519,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth-tbs", type=float, default=None,
                     help="memory bandwidth of the bound (default: 3.35 on an H100, else a copy measured in the run)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler summary of the engine's decode steps")
+    ap.add_argument("--packed-recompute", default="auto,0",
+                    help="GPU: comma list of recompute settings for the packed step (auto = chosen by the memory "
+                         "model, all, or a number of layers)")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: rollout,hf,local,local-rollout,engine,deepseek,train,"
                          "reference")
@@ -501,6 +542,8 @@ def main(argv=None) -> int:
     engine_rows = [int(x) for x in (args.engine_rows or ("8,32" if cpu else "64,256")).split(",")]
     ds_new = args.deepseek_new_tokens or (64 if cpu else 4096)
     ds_mean = args.deepseek_mean or (3000.0 if ds_new == 4096 else 0.73 * ds_new)
+    if args.micro_batch_tokens is None:
+        args.micro_batch_tokens = 128 if cpu else 16384
     skip = set(filter(None, args.skip.split(",")))
     dtype = torch.float32 if cpu else torch.bfloat16
 
@@ -586,27 +629,43 @@ def main(argv=None) -> int:
             lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
             flops = train_flops(arch, lengths)
             settings = args.recompute_layers.split(",") if not cpu else ["0"]
-            variants = [(st, True) for st in (settings if attention == "sdpa" else settings[:1])]
-            variants.append((settings[0], False))
-            for setting, sort in variants:
+            # (packed?, length-sorted?, recompute setting): the packed step first, then today's padded ones
+            variants = []
+            if attention == "sdpa" and args.micro_batch_tokens > 0:
+                packed_settings = args.packed_recompute.split(",") if not cpu else ["auto"]
+                variants += [(True, True, st) for st in packed_settings]
+            variants += [(False, True, st) for st in (settings if attention == "sdpa" else settings[:1])]
+            variants.append((False, False, settings[0]))
+            for packed, sort, setting in variants:
+                actor.micro_batch_tokens = args.micro_batch_tokens if packed else 0
                 actor.sort_by_length = sort
-                rc = set_recompute(actor.config, setting, arch.num_layers)
-                label = f"GRPO step, {attention}, {'length-sorted' if sort else 'fixed-width'} micro-batches, {rc}"
+                actor.recompute_setting = recompute_setting(setting, arch.num_layers)
+                layout = (f"packed micro-batches of <= {args.micro_batch_tokens} tokens" if packed else
+                          f"{'length-sorted' if sort else 'fixed-width'} micro-batches of {args.micro_batch} rows")
+                plan_line, peaks = micro_batch_memory(actor, batch, packed, device)
                 try:
                     r = time_train(actor, batch, device, args.train_steps)
                 except torch.cuda.OutOfMemoryError:
-                    add("train", label, f"{train_rows} x <= {prompt_len + max_resp} tok", "OOM", "-")
+                    add("train", f"GRPO step, {attention}, {layout}, recompute {setting}",
+                        f"{train_rows} x <= {prompt_len + max_resp} tok", "OOM", "-")
+                    add("memory", f"{attention}, {layout}", plan_line, "-", "-")
                     free()
                     continue
+                label = (f"GRPO step, {attention}, {layout}, "
+                         f"{recompute_label(actor.recompute_layers, arch.num_layers, actor.recompute_setting)}")
                 tps = sum(lengths) / r["s_per_step"]
                 mfu = flops / r["s_per_step"] / H100_BF16_PEAK
                 extra = f"MFU {100 * mfu:.1f}% (peak 989)"
                 if peak_meas:
                     extra += f", {100 * flops / r['s_per_step'] / (peak_meas * 1e12):.1f}% (measured)"
-                pad = padding_share(batch, args.micro_batch, sort)
-                add("train", label, f"{r['s_per_step']:.2f} s/step, peak {r['peak_gib']:.1f} GiB, "
-                    f"padding {100 * pad:.1f}%", f"{tps:,.0f} tok/s", extra)
+                pad = packed_padding_share(actor, batch) if packed else padding_share(batch, args.micro_batch, sort)
+                measured = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] == r["peak_gib"] else "n/a (CPU)"
+                add("train", label, f"{r['s_per_step']:.2f} s/step, peak {measured} (predicted "
+                    f"{size(peaks[actor.recompute_layers])}), padding {100 * pad:.1f}%",
+                    f"{tps:,.0f} tok/s", extra)
+                add("memory", f"{attention}, {layout}", plan_line, "-", "-")
                 free()
+            actor.micro_batch_tokens, actor.recompute_setting = args.micro_batch_tokens, None
         if attention == "sdpa" and "reference" not in skip:
             reference_placements(actor, arch, prompt_len, max_resp, device, add)
         actor = None
@@ -622,8 +681,9 @@ def main(argv=None) -> int:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print(f"\n# rollout: {n_prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens (EOS id {eos_id}); "
-          f"engine rows {engine_rows} (the prompts repeated); train: {train_rows} rows, prompt {prompt_len}, responses "
-          f"300..{max_resp}, micro-batch {args.micro_batch}; bound at {1e3 * tbs:,.0f} GB/s ({tbs_src})")
+          f"engine rows {engine_rows} (the prompts repeated); train: {train_rows} rows, prompt {prompt_len}, "
+          f"responses {min(300, max_resp // 6)}..{max_resp}, micro-batch {args.micro_batch} rows or packs of <= "
+          f"{args.micro_batch_tokens} tokens; bound at {1e3 * tbs:,.0f} GB/s ({tbs_src})")
     import torch.distributed as dist
     from megatron.core import parallel_state
 

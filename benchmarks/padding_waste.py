@@ -13,7 +13,9 @@ paths on a stand-in model whose next token is EOS exactly at each row's length:
   row's prompt + response but its last token (which is sampled, never fed);
 * training: positions of the micro-batches the actor builds (``MegatronCoreActor._micro_batches``) for a
   minibatch, fixed width ``[mbs, T]`` vs length-sorted micro-batches cut to their longest row
-  (``grpo.sort_by_length``); useful = each row's prompt + response.
+  (``grpo.sort_by_length``), and the packed micro-batches (``grpo.micro_batch_tokens``, the default: rows
+  concatenated without padding; with pipeline parallelism each pack's tail is padded to the longest pack);
+  useful = each row's prompt + response.
 
 Waste = 1 - useful / processed. Target: under 15% in both phases.
 """
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from laconic_nemo.actors.megatron_core import MegatronCoreActor  # noqa: E402
+from laconic_nemo.actors.packing import build_packs  # noqa: E402
 from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch  # noqa: E402
 from laconic_nemo.rollout.megatron_sampler import sample_on_device  # noqa: E402
 
@@ -79,7 +82,10 @@ def rollout_work(prompt_lens, resp_lens, max_new, compact: bool, sync_every: int
     return fed, useful
 
 
-def training_work(prompt_lens, resp_lens, mbs: int, minibatch: int, sort: bool):
+def training_work(prompt_lens, resp_lens, mbs: int, minibatch: int, sort: bool, pack_tokens: int = 0,
+                  pp: int = 1):
+    """Positions processed and useful over the minibatches: padded micro-batches of ``mbs`` rows, or packs of
+    ``pack_tokens`` (``pp`` > 1: tails padded to one size per minibatch)."""
     processed = useful = 0
     actor = SimpleNamespace(sort_by_length=sort, info=SimpleNamespace(pp_size=1),
                             _pad_rows=lambda b, m: MegatronCoreActor._pad_rows(None, b, m))
@@ -89,8 +95,11 @@ def training_work(prompt_lens, resp_lens, mbs: int, minibatch: int, sort: bool):
         T = int((P + R).max())
         n = len(P)
         batch = TrainBatch(torch.zeros(n, T, dtype=torch.long), P, R, torch.zeros(n, T - 1))
-        micro, _ = MegatronCoreActor._micro_batches(actor, batch, mbs)
-        processed += sum(mb.tokens.numel() for mb in micro)
+        if pack_tokens:
+            processed += sum(p.size for p in build_packs(batch, pack_tokens, pad_to_longest=pp > 1))
+        else:
+            micro, _ = MegatronCoreActor._micro_batches(actor, batch, mbs)
+            processed += sum(mb.tokens.numel() for mb in micro)
         useful += int((P + R).sum())
     return processed, useful
 
@@ -104,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=8, help="rollout.sync_every")
     ap.add_argument("--micro-batch", type=int, default=4, help="grpo.micro_batch_size")
     ap.add_argument("--minibatch", type=int, default=64, help="rows per optimiser step on one DP rank")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="grpo.micro_batch_tokens")
     ap.add_argument("--median", type=float, default=1500.0, help="median response length (tokens)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -121,12 +131,18 @@ def main(argv=None) -> int:
         processed, useful = training_work(prompts, resp, args.micro_batch, args.minibatch, sort)
         rows.append(("training", "length-sorted, cut micro-batches" if sort else "fixed-width micro-batches",
                      processed, useful))
+    for pp in (1, 2):
+        processed, useful = training_work(prompts, resp, args.micro_batch, args.minibatch, True,
+                                          args.micro_batch_tokens, pp)
+        how = "PP 1" if pp == 1 else "PP > 1: tails padded to the longest pack"
+        rows.append(("training", f"packed micro-batches of <= {args.micro_batch_tokens} tokens ({how})", processed,
+                     useful))
     print("| phase | layout | positions processed | useful | waste |")
     print("| --- | --- | --- | --- | --- |")
     for phase, layout, processed, useful in rows:
         print(f"| {phase} | {layout} | {processed:,} | {useful:,} | {100 * (1 - useful / processed):.1f}% |")
     for phase in ("rollout", "training"):
-        before, after = [r for r in rows if r[0] == phase]
+        before, after = [r for r in rows if r[0] == phase][:2]
         print(f"# {phase}: {before[2] / after[2]:.2f}x fewer positions processed")
     print(f"# {time.perf_counter() - t:.1f} s")
     return 0

@@ -197,7 +197,21 @@ class GRPOConfig:
     group_size: int = opt(8, "G responses sampled per prompt")
     minibatch_size: int = opt(256, "responses per optimiser step (GLOBAL); rollout batch / minibatch = steps per "
                                    "rollout")
-    micro_batch_size: int = opt(4, "responses per forward/backward on one DP rank")
+    micro_batch_size: int = opt(4, """responses per forward/backward on one DP rank (rows padded to a common width; the
+megatron-core actor uses it only with micro_batch_tokens = 0)""")
+    micro_batch_tokens: int = opt(16384, """megatron-core actor: token budget of a packed micro-batch: rows (prompt +
+response) concatenated without padding, first-fit decreasing, each attending to
+itself only (document-causal), positions restarting per row; a longer row forms
+a micro-batch of its own; PP > 1 pads each pack's tail to the longest pack.
+0 = no packing (micro-batches of micro_batch_size padded rows). 16384: the
+16k-token packs measured on one H100 at the 1.5B shape, as verl's default
+ppo_max_token_len_per_gpu (verl/trainer/config/actor/actor.yaml) (inferred).
+The NeMo-Aligner actor ignores it (NeMo's own micro-batches)""")
+    recompute_layers: Optional[int] = opt(None, """megatron-core actor: layers per pipeline stage whose activations are
+recomputed in backward (megatron's full recompute of the first N layers; N >= the
+stage's layers: all). null = chosen by memory: on GPU, at every step, the fewest
+that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
+(none where all fit); none on CPU""")
     clip_eps: float = opt(0.2, "epsilon of the clipped ratio (lower side; and upper side unless clip_eps_high)")
     clip_eps_high: Optional[float] = opt(None, "optional larger upper clip (DAPO clip-higher); null = clip_eps")
     clip_dual: Optional[float] = opt(None, """dual-clip PPO constant C > 1: for A < 0 the token loss is capped at C |A|
@@ -227,6 +241,11 @@ cpu (pageable host memory, copies) | auto (device)""")
         _require(self.minibatch_size >= 1 and rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
                  f"a divisor of num_prompts_per_step * group_size = {rollout_size}", self.minibatch_size)
         _require(self.micro_batch_size >= 1, "grpo.micro_batch_size", "an integer >= 1", self.micro_batch_size)
+        _require(self.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", "an integer >= 0 (0: no packing)",
+                 self.micro_batch_tokens)
+        if self.recompute_layers is not None:
+            _require(self.recompute_layers >= 0, "grpo.recompute_layers", "null (by memory) or an integer >= 0",
+                     self.recompute_layers)
         _require(0 < self.clip_eps < 1, "grpo.clip_eps", "in (0, 1)", self.clip_eps)
         if self.clip_eps_high is not None:
             _require(self.clip_eps_high >= self.clip_eps, "grpo.clip_eps_high", ">= grpo.clip_eps or null",

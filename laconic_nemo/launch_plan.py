@@ -67,6 +67,7 @@ class Plan:
     rollout_engine: str = "megatron"      # rollout.engine
     kv_cache: str | None = None           # the decode engine's KV cache per GPU (shape, dtype, GiB); None: not ours
     kv_cache_bytes: int | None = None
+    training_memory: str | None = None    # megatron-core actor: activations per micro-batch, the recompute that fits
 
 
 ROLLOUT_ENGINES = {
@@ -199,6 +200,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
             except ValueError as exc:
                 raise LayoutError(f"data.train_files: {exc}") from exc
 
+    memory = training_memory(cfg, hf, tp, pp, mini // (dp * mbs)) if actor == "megatron_core" else None
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
         actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
@@ -207,7 +209,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
         budget=cfg.laconic.budget, max_generated_tokens_per_step=rollout * lmax,
         budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
         conversion_needed=conversion, warnings=warnings, rollout_engine=engine, kv_cache=kv_desc,
-        kv_cache_bytes=kv_bytes,
+        kv_cache_bytes=kv_bytes, training_memory=memory,
     )
 
 
@@ -225,6 +227,42 @@ def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: in
     positions = min(int(r.max_prompt_length) + int(r.max_new_tokens), int(max_positions))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.model.precision), torch.float32)
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
+
+
+def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
+    """The megatron-core actor's training memory on one H100 80 GB by :mod:`laconic_nemo.actors.memory`: the
+    activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single row up to L_max;
+    unpacked: micro_batch_size rows of L_max) and the recompute setting that fits (``grpo.recompute_layers``:
+    null chooses it the same way on the device). Shape from the HF config when readable, else from model.*
+    (key-value heads then taken = attention heads)."""
+    from laconic_nemo.actors import memory
+
+    m, g = cfg.model, cfg.grpo
+    hf = hf or {}
+
+    def dim(hf_key: str, recipe_value) -> int:  # the checkpoint's value when it has one, else the recipe's
+        return int(hf.get(hf_key) or recipe_value)
+
+    h, heads = dim("hidden_size", m.hidden_size), dim("num_attention_heads", m.num_attention_heads)
+    shape = memory.LayerShape(
+        hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
+        ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
+        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic")
+    lmax = int(cfg.rollout.max_new_tokens)
+    if g.micro_batch_tokens:
+        tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"
+    else:
+        tokens, seq, what = int(g.micro_batch_size) * lmax, lmax, f"{int(g.micro_batch_size)} rows of L_max"
+    tied = bool(hf.get("tie_word_embeddings", False))
+    kernel = "local" if m.attention == "local" else "flash"
+    mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
+                            kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
+                            reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
+                            num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
+                            logprob_chunk=int(g.logprob_chunk_size), seq=seq,
+                            fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
+    fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
+    return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
 
 
 def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
@@ -336,6 +374,8 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
     if plan.tokenizer:
         lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
                                                               else ""))
+    if plan.training_memory:
+        lines.append(f"train memory     {plan.training_memory}")
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]

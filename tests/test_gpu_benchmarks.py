@@ -41,6 +41,11 @@ def test_gpu_step_runs_on_cpu_and_prints_its_table():
     assert "48 rows, L_max 32" in ds and 8 < mean <= 32
     proj = rows[1 + next(i for i, n in enumerate(names) if n.startswith("paper run: 500 steps"))]
     assert re.search(r"\| [\d.]+ h \|", proj) and "not measured" in proj
+    # the packed step beside today's: no padding at all (PP 1), chosen by memory (none on CPU), with its memory line
+    packed = [r for n, r in zip(names, rows[1:]) if n.startswith("GRPO step, sdpa, packed micro-batches of <= 128")]
+    assert len(packed) == 1 and "by memory: no recompute" in packed[0] and "padding 0.0%" in packed[0]
+    memory = [r for r in rows if r.startswith("| memory | sdpa, packed")]
+    assert len(memory) == 1 and "per micro-batch of" in memory[0] and "-> no recompute" in memory[0]
     # pi_ref swapped by pointer ("device") and copied from host memory ("cpu") give identical log-probs
     ref = [r for r in rows if "pi_ref weights on" in r]
     assert len(ref) == 2 and all("max |diff| to device 0.0e+00" in r for r in ref)
@@ -53,14 +58,20 @@ def test_gpu_step_runs_on_cpu_and_prints_its_table():
 
 def test_padding_waste_before_and_after_under_15_percent():
     out = _run("benchmarks/padding_waste.py", "--rows", "32", "--max-new", "512", "--median", "180",
-               "--rollout-batch", "16", "--minibatch", "16")
+               "--rollout-batch", "16", "--minibatch", "16", "--micro-batch-tokens", "1024")
     waste = {}
     for line in out.splitlines():
         m = re.match(r"\| (rollout|training) \| (.+?) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|", line)
         if m:
             processed, useful = int(m.group(3).replace(",", "")), int(m.group(4).replace(",", ""))
             assert abs(100 * (1 - useful / processed) - float(m.group(5))) < 0.06  # the printed share is the ratio
-            waste[(m.group(1), m.group(2).startswith(("compacted", "length-sorted")))] = float(m.group(5))
-    assert len(waste) == 4
+            if m.group(2).startswith("packed"):
+                waste[(m.group(1), "packed, PP 1" if "(PP 1)" in m.group(2) else "packed, PP > 1")] = float(m.group(5))
+            else:
+                waste[(m.group(1), m.group(2).startswith(("compacted", "length-sorted")))] = float(m.group(5))
+    assert len(waste) == 6
     for phase in ("rollout", "training"):
         assert waste[(phase, True)] < 15.0 < waste[(phase, False)]
+    # packing leaves no padding at all; pipeline parallelism's fixed shape pads the packs' tails, still < fixed width
+    assert waste[("training", "packed, PP 1")] == 0.0
+    assert 0.0 < waste[("training", "packed, PP > 1")] < waste[("training", False)]

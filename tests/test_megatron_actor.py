@@ -1,7 +1,8 @@
 """MegatronCoreActor on real megatron-core over gloo (2 processes per layout) against a float64 reference.
 
-One spawned job per layout (TP=2 with a KL reference policy, PP=2, DP=2 with half the batch per rank)
-runs every check and writes its measurements (tests/dist/actor_checks.py); the assertions live here.
+One spawned job per layout (TP=2 with a KL reference policy, PP=2, DP=2 at TP=1 with half the batch per rank)
+runs every check and writes its measurements (tests/dist/actor_checks.py); the assertions live here. Log-probs
+and training run on packed micro-batches (the default), and once on today's padded rows for comparison.
 The float64 reference is a plain-torch GPT (tests/dist/reference_gpt.py) on the same unsharded weights,
 so TP=2, PP=2 and DP=2 are each compared with the unsharded single-device computation.
 """
@@ -49,6 +50,25 @@ def test_grpo_step_matches_float64_reference(results, layout):
     if layout == "dp2":
         assert results[layout][0]["dp_size"] == 2
         assert results[layout][0]["loss"] == results[layout][1]["loss"]  # metrics identical on every rank
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_and_unpacked_paths_agree(results, layout):
+    """Packed micro-batches (several per rank; with PP 2 padded at their tails to one size) and today's padded
+    rows give the same log-probs, loss and gradients, both within float32 rounding of the float64 reference."""
+    for r in results[layout]:
+        sizes, real = r["pack_sizes"], r["pack_real_tokens"]
+        assert len(sizes) >= 2 and all(s <= actor_checks.MICRO_BATCH_TOKENS for s in real)
+        if layout == "pp2":
+            assert len(set(sizes)) == 1 and sum(real) < sum(sizes)  # fixed p2p shape, tails padded
+        else:
+            assert sizes == real  # no padding at all
+        assert r["unpacked_logprob_err"] < 5e-5
+        assert r["packed_vs_unpacked_logprob"] < 5e-5
+        assert r["unpacked_loss"] == pytest.approx(r["ref_loss"], rel=1e-4, abs=1e-6)
+        assert r["unpacked_grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+        assert r["unpacked_grad_err"] < 1e-5 * r["grad_scale"] + 1e-7
+        assert r["packed_vs_unpacked_grad"] < 1e-5 * r["grad_scale"] + 1e-7
 
 
 def test_reference_policy_is_frozen_initial_weights(results):

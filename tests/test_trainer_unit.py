@@ -85,14 +85,16 @@ def test_count_eos_reaches_the_shaper_and_the_dual_step():
 
 
 def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
-    """Two configs whose warm-ups differ (micro-batch order) never share a cached policy; a change that does
-    not touch the warm-up (the budget) does."""
+    """Two configs whose warm-ups differ (micro-batch order, packing and its token budget) never share a cached
+    policy; a change that does not touch the warm-up (the budget) does."""
     from laconic_nemo.app.warmup import warmup_cache_dir as _warmup_cache_dir
 
     base = [f"warmup.cache_dir={tmp_path}"]
     plain = _warmup_cache_dir(load_config(TINY, base))
     assert _warmup_cache_dir(load_config(TINY, [*base, "grpo.sort_by_length=true"])) != plain
     assert _warmup_cache_dir(load_config(TINY, [*base, "laconic.budget=25"])) == plain
+    packed = _warmup_cache_dir(load_config(TINY, [*base, "grpo.micro_batch_tokens=256"]))
+    assert packed != plain and packed != _warmup_cache_dir(load_config(TINY, [*base, "grpo.micro_batch_tokens=512"]))
 
 
 def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp_path):

@@ -5,6 +5,14 @@ apply_cpu_patches`). Every method is SPMD: call it on every rank.
 
 * Forward and backward go through megatron's ``get_forward_backward_func()`` schedule over
   micro-batches, so pipeline parallelism works with the 1F1B schedule.
+* Micro-batches are packed (``micro_batch_tokens`` > 0, the default): rows concatenated into ``[1, S]``
+  sequences of at most ``micro_batch_tokens`` tokens, no padding between rows, document-causal attention and
+  positions restarting in every row (:mod:`laconic_nemo.actors.packing`); the log-probs are cut back into rows
+  before the loss, so the loss, its global normalisation and the gradient are those of the unpacked path.
+  ``micro_batch_tokens = 0``: micro-batches of ``micro_batch_size`` right-padded rows.
+* Activation recompute (``recompute_layers``): megatron's full recompute of the first N layers of every
+  pipeline stage; None picks, at every ``train_step`` on a GPU, the fewest layers that let the largest
+  micro-batch fit the device by :mod:`laconic_nemo.actors.memory` (none where everything fits; none on CPU).
 * Log-probs come from the TP-sharded logits through
   ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (the full vocabulary is never
   gathered), with the vocabulary-padding columns masked out, so they are the exact log-softmax over the
@@ -29,11 +37,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from laconic_nemo.actors import memory
+from laconic_nemo.actors.packing import Pack, build_packs, cut_positions
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
 from laconic_nemo.kernels import (
     REFERENCE_CHOICES,
     SAMPLER_CHOICES,
     fusion_flags,
+    packed_seq_params,
     resolve_attention,
     with_core_attention,
 )
@@ -65,7 +76,8 @@ class MegatronCoreActor:
     Use :meth:`from_config`. Attributes: ``model`` (list of model chunks, megatron DDP-wrapped),
     ``optimizer`` (megatron optimizer), ``info`` (:class:`ParallelInfo`), ``vocab_size`` (real),
     ``padded_vocab_size`` (multiple of TP), ``pad_id`` (fills rows after their end in generated tokens;
-    None = the EOS id).
+    None = the EOS id), ``micro_batch_tokens`` (token budget of a packed micro-batch; 0 = rows of
+    ``micro_batch_size``, padded).
     """
 
     def __init__(
@@ -92,6 +104,8 @@ class MegatronCoreActor:
         reference_on: str = "auto",
         sort_by_length: bool = True,
         engine_settings: Any = None,
+        micro_batch_tokens: int = 16384,
+        recompute_layers: int | None = None,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -109,6 +123,8 @@ class MegatronCoreActor:
             raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {grad_clip}")
         if micro_batch_size < 1:
             raise ValueError(f"grpo.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if micro_batch_tokens < 0:
+            raise ValueError(f"grpo.micro_batch_tokens must be >= 0 (0: no packing), got {micro_batch_tokens}")
         self.info = info
         self.config = transformer_config
         self.vocab_size = int(vocab_size)
@@ -128,6 +144,12 @@ class MegatronCoreActor:
             raise ValueError(f"grpo.logprob_chunk_size must be >= 1, got {logprob_chunk_size}")
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.sort_by_length = bool(sort_by_length)
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        if recompute_layers is not None and recompute_layers < 0:
+            raise ValueError(f"grpo.recompute_layers must be null or >= 0, got {recompute_layers}")
+        self.recompute_setting = None if recompute_layers is None else int(recompute_layers)
+        self.recompute_layers = 0  # layers per stage recomputed by the last train_step
+        self.memory_plan: memory.MemoryPlan | None = None  # the plan behind the last choice by memory (GPU)
         self.reference_on = resolve_choice("grpo.reference_on", reference_on, REFERENCE_CHOICES, "device")
         if self.reference_on == "pinned" and not on_gpu:
             raise ValueError("grpo.reference_on=pinned needs a GPU (pinned host memory); use device, cpu or auto")
@@ -240,6 +262,8 @@ class MegatronCoreActor:
             reference_on=str(grpo.reference_on),
             sort_by_length=bool(grpo.sort_by_length),
             engine_settings=engine_settings_from_config(cfg, info.dp_size, on_gpu),
+            micro_batch_tokens=int(grpo.micro_batch_tokens),
+            recompute_layers=None if grpo.recompute_layers is None else int(grpo.recompute_layers),
         )
         if hf_path is not None:
             from laconic_nemo.bridge import load_hf_checkpoint
@@ -368,8 +392,61 @@ class MegatronCoreActor:
         micro = []
         for i in range(0, n, mbs):
             idx = order[i : i + mbs]
-            micro.append(_cut(padded.select(idx), int(ends[idx].max())))
+            micro.append(cut_positions(padded.select(idx), int(ends[idx].max())))
         return micro, order
+
+    def _packs(self, batch: TrainBatch) -> list[Pack]:
+        """``batch`` packed into micro-batches of at most ``micro_batch_tokens`` tokens (a longer row: alone);
+        with PP > 1 every pack is padded at its tail to the longest one (fixed p2p shapes)."""
+        return build_packs(batch, self.micro_batch_tokens, pad_to_longest=self.info.pp_size > 1,
+                           pad_id=self.pad_id or 0)
+
+    def _pack_forward(self, model, pack: Pack) -> torch.Tensor:
+        """The model on one packed micro-batch: logits [1, S, V/tp] on the last stage (hidden states before)."""
+        tok = pack.tokens.to(self.device)
+        params = packed_seq_params(pack.cu_seqlens.to(self.device), pack.max_seqlen)
+        return model(tok, pack.position_ids.to(self.device), None, packed_seq_params=params)
+
+    def layer_shape(self) -> memory.LayerShape:
+        """The model's sizes for :mod:`laconic_nemo.actors.memory`."""
+        c = self.config
+        return memory.LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
+                                 groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+                                 ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=self.padded_vocab_size,
+                                 gated=bool(c.gated_linear_unit))
+
+    def plan_memory(self, tokens: int, seq: int, num_micro_batches: int,
+                    device_gib: float | None = None) -> memory.MemoryPlan:
+        """:func:`laconic_nemo.actors.memory.plan_memory` for this rank: its parameters, dtype, core attention
+        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``), the device's memory
+        (or ``device_gib``)."""
+        if device_gib is None:
+            device_gib = torch.cuda.get_device_properties(self.device).total_memory / memory.GIB
+        core = type(self.module.decoder.layers[0].self_attention.core_attention).__name__
+        kernel = "local" if core == "LocalAttention" else ("dense" if self.device.type != "cuda" else "flash")
+        return memory.plan_memory(
+            self.layer_shape(), tokens, device_gib, tp=self.info.tp_size, pp=self.info.pp_size,
+            dtype_bytes=torch.finfo(self.config.params_dtype).bits // 8, kernel=kernel,
+            params=sum(p.numel() for p in self.module.parameters()),
+            reference_on_device=self._ref_state is not None and self.reference_on == "device",
+            num_micro_batches=num_micro_batches, logprob_chunk=self.logprob_chunk_size, seq=seq,
+            fused_swiglu=bool(self.config.bias_activation_fusion))
+
+    def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:
+        """Layers per pipeline stage to recompute for micro-batches of ``tokens`` tokens (``recompute_setting``;
+        None: by memory on GPU, none on CPU)."""
+        per_stage = self.config.num_layers // self.info.pp_size
+        if self.recompute_setting is not None:
+            return min(self.recompute_setting, per_stage)
+        if self.device.type != "cuda":
+            return 0
+        self.memory_plan = self.plan_memory(tokens, seq, num_micro_batches)
+        chosen = self.memory_plan.recompute_layers
+        return per_stage if chosen is None else chosen
+
+    def set_recompute(self, layers: int) -> None:
+        """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""
+        self.recompute_layers = set_recompute(self.config, layers, self.config.num_layers // self.info.pp_size)
 
     def _schedule(self, forward_step: Callable, micro_batches: list, seq_length: int, micro_batch_size: int,
                   forward_only: bool) -> list:
@@ -493,7 +570,8 @@ class MegatronCoreActor:
                  temperature: float = 1.0) -> torch.Tensor:
         """Per-token log-probs [N, T-1] of ``batch.tokens`` (float32) at ``temperature``, identical on every
         TP/PP rank. Position ``j`` is log p(token j+1 | tokens <= j); it is 0 from each row's end on (j + 1 >=
-        prompt + response length), where nothing is scored."""
+        prompt + response length), where nothing is scored. Packed micro-batches of ``micro_batch_tokens``
+        (``micro_batch_size`` applies only without packing)."""
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if reference:
@@ -516,6 +594,42 @@ class MegatronCoreActor:
         n, T = batch.tokens.shape
         if T < 2:
             raise ValueError(f"tokens must have at least 2 positions, got T={T}")
+        if self.micro_batch_tokens > 0:
+            result = self._packed_logprobs(batch, temperature)
+        else:
+            result = self._padded_logprobs(batch, micro_batch_size, temperature)
+        ends = (batch.prompt_lengths + batch.response_lengths).unsqueeze(1)  # [N, 1]
+        return result.masked_fill(torch.arange(1, T).unsqueeze(0) >= ends, 0.0)
+
+    def _packed_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """:meth:`logprobs` over packed micro-batches: [N, T-1] float32 CPU, before the past-the-end zeroing."""
+        n, T = batch.tokens.shape
+        packs = self._packs(batch)
+
+        def forward_step(data_iterator, model):
+            pack = next(data_iterator)
+            tok = pack.tokens.to(self.device)
+            labels = torch.roll(tok, shifts=-1, dims=1)
+            out = self._pack_forward(model, pack)
+
+            def loss_func(output):
+                logp = pack.unpack(self.token_logprobs(output, labels, temperature)[0])  # [k, W-1]
+                return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logprobs": logp.float()}
+
+            return out, loss_func
+
+        with self._eval_mode():
+            store = self._schedule(forward_step, packs, max(p.size for p in packs), 1, forward_only=True)
+        result = torch.zeros(n, T - 1, dtype=torch.float32, device=self.device)
+        if self.is_last_stage:
+            for d, pack in zip(store, packs):
+                lp = d["logprobs"]
+                result[pack.rows.to(self.device), : lp.shape[1]] = lp
+        return self._pp_broadcast(result).cpu()
+
+    def _padded_logprobs(self, batch: TrainBatch, micro_batch_size: int | None, temperature: float) -> torch.Tensor:
+        """:meth:`logprobs` over micro-batches of right-padded rows (``micro_batch_tokens = 0``)."""
+        n, T = batch.tokens.shape
         mbs = min(micro_batch_size or self.micro_batch_size, n)
         micro, rows = self._micro_batches(batch, mbs)
         chunks = [mb.tokens for mb in micro]
@@ -541,14 +655,15 @@ class MegatronCoreActor:
             result = result[:n].contiguous()
         else:
             result = torch.empty(n, T - 1, dtype=torch.float32, device=self.device)
-        result = self._pp_broadcast(result).cpu()
-        ends = (batch.prompt_lengths + batch.response_lengths).unsqueeze(1)  # [N, 1]
-        return result.masked_fill(torch.arange(1, T).unsqueeze(0) >= ends, 0.0)
+        return self._pp_broadcast(result).cpu()
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
         """One optimiser step on this DP rank's minibatch ``batch``; see the module docstring.
 
+        Micro-batches: packs of ``micro_batch_tokens`` tokens, whose log-probs [k, W-1] and rows reach
+        ``loss_fn`` as a padded micro-batch would (``micro_batch_size`` applies only without packing). Activation
+        recompute for this step: :meth:`_choose_recompute`.
         Returns the loss metrics summed over micro-batches and DP ranks (loss functions report shares of
         global means), plus ``grad_norm`` (before clipping) and ``lr``; identical on every rank.
         """
@@ -556,26 +671,49 @@ class MegatronCoreActor:
         mbs = min(micro_batch_size or self.micro_batch_size, n)
         if mbs < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        micro, _ = self._micro_batches(batch, mbs)
         temperature = float(getattr(loss_fn, "temperature", 1.0))  # log-probs at the loss's temperature
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tok = mb.tokens.to(self.device)
-            labels = torch.roll(tok, shifts=-1, dims=1)
-            out = model(tok, self._position_ids(*tok.shape), None)
+        if self.micro_batch_tokens > 0:
+            packs = self._packs(batch)
+            self.set_recompute(self._choose_recompute(max(p.size for p in packs),
+                                                      max(p.max_seqlen for p in packs), len(packs)))
 
-            def loss_func(output):
-                logp = self.token_logprobs(output, labels, temperature)[:, :-1]
-                loss, metrics = loss_fn(logp, mb)
-                return loss, torch.tensor(1, dtype=torch.int), metrics
+            def forward_step(data_iterator, model):
+                pack = next(data_iterator)
+                labels = torch.roll(pack.tokens.to(self.device), shifts=-1, dims=1)
+                out = self._pack_forward(model, pack)
 
-            return out, loss_func
+                def loss_func(output):
+                    # the pack's log-probs cut back into its rows [k, W-1]: the loss sees the unpacked layout
+                    logp = pack.unpack(self.token_logprobs(output, labels, temperature)[0])
+                    loss, metrics = loss_fn(logp, pack.batch)
+                    return loss, torch.tensor(1, dtype=torch.int), metrics
 
-        store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
+                return out, loss_func
+
+            store = self._schedule(forward_step, packs, max(p.size for p in packs), 1, forward_only=False)
+        else:
+            micro, _ = self._micro_batches(batch, mbs)
+            widest = max(mb.tokens.shape[1] for mb in micro)
+            self.set_recompute(self._choose_recompute(mbs * widest, widest, len(micro)))
+
+            def forward_step(data_iterator, model):
+                mb = next(data_iterator)
+                tok = mb.tokens.to(self.device)
+                labels = torch.roll(tok, shifts=-1, dims=1)
+                out = model(tok, self._position_ids(*tok.shape), None)
+
+                def loss_func(output):
+                    logp = self.token_logprobs(output, labels, temperature)[:, :-1]
+                    loss, metrics = loss_fn(logp, mb)
+                    return loss, torch.tensor(1, dtype=torch.int), metrics
+
+                return out, loss_func
+
+            store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
         lr = self._lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -772,6 +910,21 @@ class MegatronCoreActor:
             p.data.copy_(t.to(p.device, p.dtype))
 
 
+def set_recompute(config: Any, layers: int, layers_per_stage: int) -> int:
+    """Full activation recompute of the first ``layers`` layers of every pipeline stage on megatron's
+    TransformerConfig (its TransformerBlock reads these fields at every forward, ``transformer_block.py:358-391``):
+    0 = none; all of the stage's layers = the ``uniform`` method, one layer per checkpoint; fewer = the ``block``
+    method. Returns the number of layers recomputed per stage."""
+    n = max(0, min(int(layers), layers_per_stage))
+    if n == 0:
+        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
+    elif n == layers_per_stage:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+    else:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "block", n
+    return n
+
+
 def global_param_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
     """Local parameter name of pipeline stage ``pp_rank`` -> its name in the unsharded single-stage model
     (``decoder.layers.<i>`` renumbered with the global layer index ``i + pp_rank * layers_per_stage``)."""
@@ -809,16 +962,6 @@ def merge_rank_states(states: dict[tuple[int, int], dict[str, torch.Tensor]], tp
                 raise ValueError(f"{key} is held by two pipeline stages")
             full[key] = t
     return full
-
-
-def _cut(batch: TrainBatch, T: int) -> TrainBatch:
-    """``batch`` restricted to its first ``T`` positions (tokens ``[n, T]``, per-token fields ``[n, T-1]``)."""
-    batch.tokens = batch.tokens[:, :T]
-    for name in ("response_mask", "old_logprobs", "ref_logprobs"):
-        t = getattr(batch, name)
-        if t is not None:
-            setattr(batch, name, t[:, : T - 1])
-    return batch
 
 
 def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):

@@ -110,6 +110,8 @@ def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
     key["sort_by_length"] = cfg.grpo.sort_by_length
+    if cfg.grpo.micro_batch_tokens:  # packed micro-batches (another summation order); unpacked keys are unchanged
+        key["micro_batch_tokens"] = cfg.grpo.micro_batch_tokens
     key["warmup"].pop("cache_dir", None)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"

@@ -2,9 +2,12 @@
 
 Run by tests/test_megatron_actor.py through torch.multiprocessing (one job per layout); each rank writes
 ``<out>/<layout>_rank<r>.pt`` with the measured errors and flags, the test asserts on them.
-Layouts: tp2 (TP=2, KL on), pp2 (PP=2), dp2 (DP=2, each rank holding half of the batch). Every layout runs
+Layouts: tp2 (TP=2, KL on), pp2 (PP=2), dp2 (DP=2 at TP=1, each rank holding half of the batch). Every layout runs
 the ``sdpa`` core attention (``scaled_dot_product_attention``; megatron's local attention is checked against
 Hugging Face in tests/test_bridge.py) and both samplers (host float64 and on-device with row compaction).
+Training and log-probs run packed (the default; a budget of MICRO_BATCH_TOKENS makes several packs of 1-3 rows,
+with PP 2 padded at their tails to one size) and, once each, unpacked (micro-batches of 3 padded rows) from the same
+weights; both are compared with the reference and with each other.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB = 2, 64, 4, 256, 41
 N, T, EOS = 8, 18, 3
+MICRO_BATCH_TOKENS = 24  # rows of 4..18 tokens: several packs per rank, also with DP 2 (4 rows each)
 LAYOUTS = {"tp2": (2, 1, 0.05), "pp2": (1, 2, 0.0), "dp2": (1, 1, 0.0)}  # tp, pp, kl_beta
 
 
@@ -33,7 +37,8 @@ def make_config(tp: int, pp: int, kl_beta: float):
                      vocab_size=VOCAB, max_position_embeddings=128, attention="sdpa")
     cfg.parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo")
     cfg.optim.update(lr=1e-3, adam_eps=1e-3, grad_clip=0.5, warmup_steps=0)
-    cfg.grpo.update(kl_beta=kl_beta, micro_batch_size=3, clip_eps=0.2, clip_eps_high=0.28)
+    cfg.grpo.update(kl_beta=kl_beta, micro_batch_size=3, clip_eps=0.2, clip_eps_high=0.28,
+                    micro_batch_tokens=MICRO_BATCH_TOKENS)
     return cfg
 
 
@@ -126,6 +131,14 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     inside = (torch.arange(T - 1).unsqueeze(0) < (ends - 1).unsqueeze(1))[rows]
     res["logprob_err"] = float(((lp.double() - ref_lp[rows]) * inside).abs().max())
     res["logprob_past_end_max"] = float((lp * ~inside).abs().max())
+    packs = actor._packs(local)
+    res["pack_sizes"] = [p.size for p in packs]
+    res["pack_real_tokens"] = [p.real_tokens for p in packs]
+    actor.micro_batch_tokens = 0  # the unpacked path on the same weights
+    lp_rows = actor.logprobs(local)
+    actor.micro_batch_tokens = MICRO_BATCH_TOKENS
+    res["unpacked_logprob_err"] = float(((lp_rows.double() - ref_lp[rows]) * inside).abs().max())
+    res["packed_vs_unpacked_logprob"] = float((lp - lp_rows).abs().max())
     if kl_beta > 0:
         local.ref_logprobs = actor.logprobs(local, reference=True)
         batch.ref_logprobs = ref_lp.float()
@@ -135,12 +148,22 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     loss_fn = make_grpo_loss_fn(cfg.grpo.clip_eps, cfg.grpo.clip_eps_high, kl_beta, cfg.grpo.loss_aggregation,
                                 global_num_tokens=float(batch.response_mask.sum()), global_num_seqs=float(N))
     ref_loss, ref_metrics, ref_grads, ref_norm, ref_new = reference_step(w32, batch, cfg, kl_beta)
+    # first the unpacked path, then back to the initial weights and a fresh optimiser for the packed one
+    actor.micro_batch_tokens = 0
+    m_rows = actor.train_step(local, loss_fn, micro_batch_size=3)
+    grads_rows = actor.full_grad_dict()
+    res["unpacked_loss"], res["unpacked_grad_norm"] = m_rows["loss"], m_rows["grad_norm"]
+    res["unpacked_grad_err"] = max_err(grads_rows, ref_grads)
+    actor.load_full_state_dict(w32)
+    actor.reset_optimizer(float(cfg.optim.lr))
+    actor.micro_batch_tokens = MICRO_BATCH_TOKENS
     metrics = actor.train_step(local, loss_fn, micro_batch_size=3)
     res["loss"], res["ref_loss"] = metrics["loss"], ref_loss
     res["clip_fraction"], res["ref_clip_fraction"] = metrics["clip_fraction"], ref_metrics["clip_fraction"]
     res["grad_norm"], res["ref_grad_norm"] = metrics["grad_norm"], ref_norm
     grads = actor.full_grad_dict()
     res["grad_err"] = max_err(grads, ref_grads)
+    res["packed_vs_unpacked_grad"] = max_err(grads, grads_rows)
     res["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
     res["update_err"] = max_err(actor.full_state_dict(), ref_new)
     res["update_scale"] = max(float((ref_new[k] - w64[k]).abs().max()) for k in w64)

@@ -2,8 +2,9 @@
 float64 transformers reference of the same checkpoint, at a sampling temperature T != 1.
 
 Run by tests/test_bridge_dp.py through torch.multiprocessing; each rank writes ``<out>/rank<r>.pt``.
-Each DP rank holds half of a global batch of N rows and takes one GRPO step with 2 micro-batches; the
-reference computes the global loss of all N rows in float64 with ``log_softmax(logits / T)``.
+Each DP rank holds half of a global batch of N rows and takes one GRPO step with 2 micro-batches (packed, the
+default, with a budget of one row: each row is a pack of its own); the reference computes the global loss of all
+N rows in float64 with ``log_softmax(logits / T)``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def make_config(hf_path: str):
     cfg.model.update(source="hf", path=hf_path, precision="fp32")
     cfg.parallel.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, backend="gloo")
     cfg.optim.update(lr=1e-3, grad_clip=0.0, warmup_steps=0)  # no clipping: the raw gradient is compared
-    cfg.grpo.update(kl_beta=0.0, micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28)
+    cfg.grpo.update(kl_beta=0.0, micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, micro_batch_tokens=T_LEN)
     return cfg
 
 

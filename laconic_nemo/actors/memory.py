@@ -1,0 +1,203 @@
+"""Training memory of the megatron-core actor on one GPU, and the activation recompute that fits.
+
+The activation memory follows the method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198), section 4.1: count, tensor by tensor, what each transformer layer keeps for
+its backward pass. Their total, ``s b h (34 + 5 a s / h)`` bytes for a 16-bit GPT-3 layer, is for LayerNorm, a
+GeLU MLP of 4h, multi-head attention with materialised scores and dropout; the same count for the layer this
+project builds (megatron-core's local spec: RMSNorm, grouped-query attention with RoPE, SwiGLU, no dropout), in
+bytes per token and layer, at activation width ``d`` bytes (2 for bf16) and tensor parallelism ``t`` (no
+sequence parallelism: the tensors of width ``h`` are replicated over the TP ranks)::
+
+    d (6 h + 2 + 4 hd + 4 f / t) + attention
+
+    6 h    the two RMSNorms keep their input and their normalised output (4 h), the QKV and fc1 linears
+           their input (2 h)
+    2      the two norms' 1 / rms
+    4 hd   RoPE's cos and sin for q and for k (one head wide)
+    4 f/t  fc1's output (gate and up, 2 f), the SwiGLU output and fc2's input (f each); 3 f / t with megatron's
+           fused SwiGLU (``bias_activation_fusion``, on GPU: ``fusions/fused_bias_swiglu.py`` keeps only its
+           input); 2 f / t for a plain, ungated MLP
+
+and the attention term by kernel (q = heads x hd, kv = query groups x hd, np = heads, s = tokens of the
+micro-batch's sequence)::
+
+    flash-like (flex, TransformerEngine, SDPA's fused kernels):  d (4 q + 3 kv) / t + 8 np / t
+        the QKV output (q + 2 kv, v is a view of it), q and k after RoPE, the output (q), its copy for the
+        out-projection (q; flex returns [1, np, s, hd], the projection reads [s, np hd]), log-sum-exp and
+        max scores (float32)
+    dense (CPU packed mask, ``packed_attention(kernel="dense")``): d (4 q + 3 kv) / t + 4 np / t + 4 s
+        as flash-like but the output is a view (no copy, no max scores), plus the [s, s] mask as float32
+    local (megatron's unfused DotProductAttention):  d (4 q + np s) / t + s
+        q after RoPE, k and v expanded to np heads, the output copy, the softmax probabilities [np, s, s]
+        and the bool mask [s, s]
+
+A layer recomputed in backward (``recompute_granularity=full``) keeps only its input, ``d h`` per token, and
+rebuilds the rest while its backward runs (one layer's activations at a time). Outside the layers: the final
+norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8), the logits ``[s, V/t]`` are kept once (the chunked
+log-probs recompute their float32 softmax, see ``MegatronCoreActor.token_logprobs``) and their gradient plus
+the gradient of the transposed copy exist at the start of backward: ``3 d V / t`` per token; the float32
+workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``.
+
+tests/test_memory.py checks the per-layer counts against the bytes autograd actually keeps in a forward of
+megatron-core's own GPTModel (``torch.autograd.graph.saved_tensors_hooks``) for the dense and local kernels and
+for recomputed layers; the flash-like term follows the tensors flex attention saves
+(``torch/_higher_order_ops/flex_attention.py``, ``FlexAttentionAutogradOp.forward``: query, key, value, out,
+logsumexp, max_scores) and is pending a GPU measurement.
+
+Static memory per parameter: bf16 weights with megatron's mixed-precision optimizer keep the bf16 weight (2),
+the float32 main gradient (4, ``grad_reduce_in_fp32``), the float32 master copy (4) and Adam's two moments
+(4 + 4): 18 bytes; float32 weights 4 + 4 + 4 + 4 = 16 bytes; a reference policy kept on the device adds one
+copy of the weights.
+
+Pipeline parallelism: with the 1F1B schedule stage ``i`` of ``p`` holds the activations of up to ``p - i``
+micro-batches (Korthikanti et al. 2022, section 4.2.3); the first stage is the fullest.
+
+No torch here: ``plan`` uses it without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = float(2**30)
+# what a memory plan may fill of the device (inferred: the CUDA context, cuBLAS / NCCL workspaces and the caching
+# allocator's fragmentation take the rest; to be calibrated against the peak benchmarks/gpu_step.py measures)
+USABLE_FRACTION = 0.92
+H100_GIB = 79.1  # torch.cuda.get_device_properties(...).total_memory of an H100 80 GB, in GiB (what plan assumes)
+KERNELS = ("flash", "dense", "local")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the memory of one transformer layer depends on (global sizes; TP divides them)."""
+
+    hidden: int  # h
+    heads: int  # np (query heads)
+    groups: int  # query groups (key / value heads)
+    head_dim: int  # hd
+    ffn: int  # f (SwiGLU: fc1 is 2 f wide)
+    layers: int  # all layers of the model
+    vocab: int  # padded vocabulary
+    gated: bool = True  # SwiGLU (fc1 2 f wide); False: fc1 f wide, one activation
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.groups * self.head_dim
+
+
+def layer_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2, kernel: str = "flash",
+                          seq: int = 0, fused_swiglu: bool = True) -> float:
+    """Bytes one layer keeps for backward per token of a micro-batch whose sequence has ``seq`` tokens (the
+    dense and local kernels grow with it). See the module docstring."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    d, t = dtype_bytes, tp
+    mlp = (3 if fused_swiglu else 4) if shape.gated else 2
+    common = d * (6 * shape.hidden + 2 + 4 * shape.head_dim + mlp * shape.ffn / t)
+    if kernel == "flash":
+        attn = d * (4 * shape.q + 3 * shape.kv) / t + 8 * shape.heads / t
+    elif kernel == "dense":
+        attn = d * (3 * shape.q + 3 * shape.kv) / t + 4 * shape.heads / t + 4 * seq
+    else:
+        attn = d * (4 * shape.q + shape.heads * seq) / t + seq
+    return common + attn
+
+
+def recomputed_layer_bytes_per_token(shape: LayerShape, dtype_bytes: int = 2) -> float:
+    """A layer under full recompute keeps only its input hidden state."""
+    return dtype_bytes * shape.hidden
+
+
+def head_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2) -> float:
+    """Embedding indices, final norm, output layer and the logits with their gradients, per token."""
+    d = dtype_bytes
+    return 8 + d * (3 * shape.hidden + 1) + 3 * d * shape.vocab / tp
+
+
+def static_bytes(params: int, dtype_bytes: int = 2, reference_on_device: bool = False) -> float:
+    """Weights, float32 main gradients, optimiser state (and a device-resident reference policy) of ``params``
+    parameters (this rank's)."""
+    per = 18 if dtype_bytes == 2 else 16
+    return params * (per + (dtype_bytes if reference_on_device else 0))
+
+
+def params_per_rank(shape: LayerShape, tp: int = 1, pp: int = 1, qkv_bias: bool = True, tied: bool = True) -> int:
+    """Parameters on the fullest rank (first stage: the embedding; with PP = 1 and untied weights also the
+    output layer), from the shape alone."""
+    h = shape.hidden
+    mlp = (3 if shape.gated else 2) * h * shape.ffn
+    layer = (h * (shape.q + 2 * shape.kv) + (shape.q + 2 * shape.kv) * qkv_bias + shape.q * h + mlp) / tp
+    layer += 2 * h
+    n = shape.layers // pp * layer + shape.vocab * h / tp
+    if pp == 1:
+        n += h + (0 if tied else shape.vocab * h / tp)
+    return int(n)
+
+
+@dataclass
+class MemoryPlan:
+    """Peak training memory of the fullest rank for one micro-batch size, and the recompute that fits."""
+
+    tokens: int  # tokens of the largest micro-batch
+    activation_gib: float  # activations of one micro-batch without recompute (all layers of the stage + head)
+    static_gib: float
+    in_flight: int  # micro-batches whose activations the first stage holds at once
+    recompute_layers: int | None  # layers per stage to recompute (0: none); None: does not fit even with all
+    peak_gib: float  # predicted peak with that setting (with every layer recomputed when nothing fits)
+    device_gib: float
+    layers_per_stage: int
+    peaks_gib: list[float]  # predicted peak with n = 0 .. layers_per_stage layers recomputed
+
+    def describe(self) -> str:
+        dev = f"{self.device_gib:.1f} GiB"
+        if self.recompute_layers is None:
+            setting = (f"does not fit even with every layer recomputed ({size(self.peak_gib)} > "
+                       f"{USABLE_FRACTION:.0%} of {dev}): lower grpo.micro_batch_tokens")
+        elif self.recompute_layers == 0:
+            setting = f"no recompute (fits: {size(self.peak_gib)} of {dev})"
+        else:
+            setting = (f"recompute {self.recompute_layers}/{self.layers_per_stage} layers per stage (peak "
+                       f"{size(self.peak_gib)} of {dev})")
+        return (f"activations {size(self.activation_gib)} per micro-batch of {self.tokens} tokens, static "
+                f"{size(self.static_gib)} -> {setting}")
+
+
+def size(gib: float) -> str:
+    """``gib`` as GiB with one decimal, or MiB below 1 GiB."""
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, pp: int = 1, dtype_bytes: int = 2,
+                kernel: str = "flash", params: int | None = None, reference_on_device: bool = False,
+                num_micro_batches: int | None = None, logprob_chunk: int = 1024, seq: int | None = None,
+                fused_swiglu: bool = True) -> MemoryPlan:
+    """The fewest layers per pipeline stage to recompute so that the fullest rank stays within
+    ``USABLE_FRACTION`` of ``device_gib``, for micro-batches of ``tokens`` tokens (``seq``: the longest sequence
+    inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
+    ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
+    ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.kernels.fusion_flags`)."""
+    L = shape.layers // pp
+    seq = tokens if seq is None else seq
+    n_params = params if params is not None else params_per_rank(shape, tp, pp)
+    static = static_bytes(n_params, dtype_bytes, reference_on_device)
+    layer = layer_bytes_per_token(shape, tp, dtype_bytes, kernel, seq, fused_swiglu) * tokens
+    kept = recomputed_layer_bytes_per_token(shape, dtype_bytes) * tokens
+    in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
+    # PP = 1: the only stage also holds the head; PP > 1: the first stage holds more micro-batches, the last the head
+    head = head_bytes_per_token(shape, tp, dtype_bytes) * tokens + 12 * logprob_chunk * shape.vocab / tp
+
+    def peak(n: int) -> float:
+        acts = (L - n) * layer + n * kept + (layer if n else 0)  # + one recomputed layer rebuilt during backward
+        first = static + in_flight * acts + (head if pp == 1 else 0)
+        last = static + acts + head
+        return max(first, last)
+
+    budget = USABLE_FRACTION * device_gib * GIB
+    choice = next((n for n in range(L + 1) if peak(n) <= budget), None)
+    return MemoryPlan(tokens=int(tokens), activation_gib=(L * layer + head) / GIB, static_gib=static / GIB,
+                      in_flight=in_flight, recompute_layers=choice, peak_gib=peak(L if choice is None else choice) / GIB,
+                      device_gib=float(device_gib), layers_per_stage=L, peaks_gib=[peak(n) / GIB for n in range(L + 1)])

@@ -623,6 +623,18 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool 
     return build_config(cfg, validate=validate)
 
 
+_SCHEMA: list = []
+
+
+def _schema() -> tuple[DictConfig, dict]:
+    """The structured config of :class:`Config` and its plain defaults, built once (building them is most of
+    the cost of loading a recipe)."""
+    if not _SCHEMA:
+        structured = OmegaConf.structured(Config)
+        _SCHEMA.extend([structured, OmegaConf.to_container(structured)])
+    return _SCHEMA[0], _SCHEMA[1]
+
+
 def build_config(values: Any, validate: bool = True) -> DictConfig:
     """The typed config from a mapping of recipe values (missing keys take their defaults): unknown keys and
     mistyped values raise ConfigError naming the key; then the ranges are checked unless ``validate`` is False."""
@@ -630,12 +642,12 @@ def build_config(values: Any, validate: bool = True) -> DictConfig:
         cfg = values if isinstance(values, DictConfig) else OmegaConf.create(values)
         _check_known_keys(cfg, Config)
         # untyped first (the type check names the key in this module's words), typed once the values passed it
-        plain = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(Config))), cfg)
+        plain = OmegaConf.merge(OmegaConf.create(_schema()[1]), cfg)
         OmegaConf.resolve(plain)  # an interpolation naming a missing key fails here, naming the key
     except OmegaConfBaseException as exc:
         raise ConfigError(omegaconf_message(exc)) from None
     check_types(plain)
-    typed = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    typed = OmegaConf.merge(_schema()[0], plain)  # merge copies its first argument: the cached schema stays as is
     if validate:
         validate_config(typed)
     return typed

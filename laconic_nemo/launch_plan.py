@@ -187,6 +187,10 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     if cfg.data.kind == "synthetic":
         _synthetic_context(cfg, max_pos)
     if cfg.data.kind == "math":
+        from laconic_nemo.data.datasets import TEMPLATES
+
+        if cfg.data.prompt_template not in TEMPLATES:
+            _invalid("data.prompt_template", cfg.data.prompt_template, f"one of {', '.join(sorted(TEMPLATES))}")
         files = list(cfg.data.train_files)
         if not files:
             _fail("data.train_files", files, "at least one json/jsonl/parquet file with problem and answer")

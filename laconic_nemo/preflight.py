@@ -216,8 +216,9 @@ def preflight_train(cfg: DictConfig, world_size: int, local_world_size: int | No
     if cfg.warmup.num_steps > 0 and cfg.warmup.cache_dir:
         check_writable_dir(cfg.warmup.cache_dir, "warmup.cache_dir")
     notes: list[str] = []
-    ckpt = check_resume(cfg, world_size, notes)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun / srun every rank runs this; one says it
-        for note in notes:
-            print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)
-    return ckpt
+    try:
+        return check_resume(cfg, world_size, notes)
+    finally:  # also when the checkpoint chosen is then refused: which one it is, and why the newer ones are not
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun / srun every rank runs this; one says it
+            for note in notes:
+                print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)

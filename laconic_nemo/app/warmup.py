@@ -114,6 +114,8 @@ def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
     key["sort_by_length"] = cfg.grpo.sort_by_length
     key["warmup"].pop("cache_dir", None)
+    for k in ("watchdog_step_factor", "watchdog_min_s"):  # the launcher's, not the policy's (and newer than the
+        key["parallel"].pop(k, None)                       # caches: keeping them out keeps the caches' names)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
     return root / f"policy_{digest}"

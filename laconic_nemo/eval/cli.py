@@ -69,6 +69,14 @@ def check_args(args) -> str | None:
     if not os.path.isfile(os.path.join(model, "config.json")) and not run_like:
         return (f"--model {args.model!r} has no config.json: not a Hugging Face checkpoint folder, nor a training "
                 "run or checkpoint to export")
+    if not run_like:
+        from laconic_nemo.config import ConfigError
+        from laconic_nemo.launch_plan import _hf_config
+
+        try:
+            _hf_config(model)  # a config.json that is not a JSON object: named with its line
+        except ConfigError as exc:
+            return f"--model {args.model!r}: {exc}"
     try:
         parse_benchmarks(args.benchmarks)
         if args.choice_files is not None:

@@ -37,7 +37,8 @@ METRICS_COPY = "metrics.jsonl"  # the run's metrics rows up to the checkpoint's 
 # timeouts, grading workers. Exact keys, or prefixes ending in ".".
 ALWAYS_ALLOWED = (
     "run.num_steps", "run.log_every", "run.name", "run.output_dir", "logging.", "checkpoint.", "warmup.",
-    "reward.num_workers", "parallel.collective_timeout_s", "parallel.watchdog_s",
+    "reward.num_workers", "parallel.collective_timeout_s", "parallel.watchdog_s", "parallel.watchdog_step_factor",
+    "parallel.watchdog_min_s",
 )
 # Keys derived from the task at start-up rather than set by the user.
 DERIVED = ("model.vocab_size",)

@@ -207,8 +207,12 @@ class _RankOutput:
             with self._lock:
                 if line.strip():
                     self.tail.append(line.rstrip("\n"))
-                sink.write(line)
-                sink.flush()
+                if sink is not None:
+                    try:
+                        sink.write(line)
+                        sink.flush()
+                    except (OSError, ValueError):  # the launcher's output is gone (`| head`): keep draining the rank
+                        sink = None
         pipe.close()
 
     def join(self, timeout: float = 10.0) -> None:

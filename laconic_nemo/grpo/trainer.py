@@ -345,9 +345,10 @@ class GRPOTrainer:
             why = self.checkpoints.verify(ckpt, self.actor)
             if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
                 break
-            if str(self.cfg.checkpoint.resume) != "auto":
-                raise ValueError(f"checkpoint.resume = {self.cfg.checkpoint.resume!r}: the checkpoint is damaged "
-                                 f"({why or 'on another rank'}); name an intact one, or auto")
+            if str(self.cfg.checkpoint.resume) != "auto" or self.checkpoints.hook is not None:
+                # an explicit folder; or an actor that restored its own files of this step already (NeMo)
+                raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
+                                 "to resume from the previous one")
             notes = [*notes, f"checkpoint {ckpt} is damaged and skipped: {why or 'a file of another rank'}"]
             excluded += (ckpt,)
             ckpt, more = choose_checkpoint(ckpt.parent, exclude=excluded)

@@ -8,8 +8,8 @@ generated from them (``python -m laconic_nemo.config > recipes/base.yaml``; a te
 An unknown key is an error naming it, so a typo never silently falls back to a default.
 
 Values are checked once, here: a field's range (``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` given to
-:func:`opt`, kept in the field's metadata: :func:`field_range` reads it, :func:`check_ranges` applies every one
-of them), then each section's ``__post_init__`` its rules across fields, :class:`Config`'s the rules across
+:func:`opt`, kept in the field's metadata: :func:`ranged_keys` lists them, :func:`check_ranges` applies every
+one of them), then each section's ``__post_init__`` its rules across fields, :class:`Config`'s the rules across
 sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility). Below this
 boundary the code trusts its typed inputs.
 """
@@ -84,12 +84,16 @@ class Range:
         low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
         high = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
         if low and high:
-            return f"{word} in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+            return f"{word} in {low[0]}{_num(low[1])}, {_num(high[1])}{high[0]}"
         if low:
-            return f"{word} {'>=' if low[0] == '[' else '>'} {low[1]:g}"
+            return f"{word} {'>=' if low[0] == '[' else '>'} {_num(low[1])}"
         if high:
-            return f"{word} {'<=' if high[0] == ']' else '<'} {high[1]:g}"
+            return f"{word} {'<=' if high[0] == ']' else '<'} {_num(high[1])}"
         return f"a finite {word[2:] if kind is not int else 'integer'}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def opt(default: Any, doc: str = "", above: str = "", *, ge: float | None = None, gt: float | None = None,
@@ -115,7 +119,8 @@ def section(cls: type, doc: str = "") -> Any:
 class RunConfig:
     name: str = opt("laconic", "run name; output goes to ${run.output_dir}")
     output_dir: str = opt("results/${run.name}")
-    seed: int = opt(1234, "base seed (model init, data order, sampling streams)", ge=0, lt=2**24)
+    seed: int = opt(1234, "base seed (model init, data order, sampling streams); < 2^24: the seeds derived from it "
+                          "fit 64 bits", ge=0, lt=2**24)
     num_steps: int = opt(500, "number of GRPO steps (one rollout batch + policy update + dual step each)", ge=1)
     log_every: int = opt(1, "print a progress line every N steps (metrics.jsonl gets every step)", ge=1)
 
@@ -567,11 +572,6 @@ def check_types(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
             hint = f" (write a list: {dotted}=[{value}])" if kind is list and isinstance(value, str) else ""
             allowed = _TYPE_WORDS[kind] + (" or null" if nullable else "")
             raise ConfigError(f"{dotted} = {value!r} is invalid: allowed {allowed}{hint}")
-
-
-def field_range(schema: type, name: str) -> Range | None:
-    """The :class:`Range` of field ``name`` of the section dataclass ``schema`` (None: any value of its type)."""
-    return {f.name: f for f in dataclasses.fields(schema)}[name].metadata.get("range")
 
 
 def ranged_keys(schema: type = None, prefix: str = "") -> list[tuple[str, Range, type, bool]]:

@@ -7,9 +7,11 @@ the schema and the defaults (OmegaConf structured configs: values are typed); ``
 generated from them (``python -m laconic_nemo.config > recipes/base.yaml``; a test checks it is current).
 An unknown key is an error naming it, so a typo never silently falls back to a default.
 
-Values are checked once, here: each section's ``__post_init__`` checks its ranges, :class:`Config`'s the
-rules across sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility).
-Below this boundary the code trusts its typed inputs.
+Values are checked once, here: a field's range (``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` given to
+:func:`opt`, kept in the field's metadata: :func:`ranged_keys` lists them, :func:`check_ranges` applies every
+one of them), then each section's ``__post_init__`` its rules across fields, :class:`Config`'s the rules across
+sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility). Below this
+boundary the code trusts its typed inputs.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from typing import Any, Iterable, List, Optional
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from laconic_nemo.core.dual import DualSettingError, check_dual
+from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
 from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
 
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
+# the synthetic task labels its terms with the letters a..l (laconic_nemo.data.synthetic.LETTERS; a test checks)
+SYNTHETIC_MAX_TERMS = 12
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -51,13 +56,53 @@ def _fits(cond: bool, key: str, value, allowed: str) -> None:
         raise LayoutError(f"{key} = {value!r} does not fit the layout: {allowed}")
 
 
-def _one_of(key: str, value, choices) -> None:
-    _require(value in choices, key, f"one of {', '.join(choices)}", value)
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of a number key (bounds inclusive with ``ge`` / ``le``, exclusive with ``gt`` / ``lt``;
+    NaN and infinities are never allowed) or of a string key (``choices``). Null passes where the field is
+    Optional."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple | None = None
+
+    def allows(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self, kind: type) -> str:
+        """The allowed values in words ("an integer >= 1", "a number in (0, 1]", "one of a, b")."""
+        if self.choices is not None:
+            return f"one of {', '.join(map(str, self.choices))}"
+        word = "an integer" if kind is int else "a number"
+        low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+        high = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
+        if low and high:
+            return f"{word} in {low[0]}{_num(low[1])}, {_num(high[1])}{high[0]}"
+        if low:
+            return f"{word} {'>=' if low[0] == '[' else '>'} {_num(low[1])}"
+        if high:
+            return f"{word} {'<=' if high[0] == ']' else '<'} {_num(high[1])}"
+        return f"a finite {word[2:] if kind is not int else 'integer'}"
 
 
-def opt(default: Any, doc: str = "", above: str = "") -> Any:
-    """A schema field: its default, the comment written beside it in base.yaml and the block written above it."""
-    meta = {"doc": doc, "above": above}
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def opt(default: Any, doc: str = "", above: str = "", *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, choices: Iterable[str] | None = None) -> Any:
+    """A schema field: its default, the comment written beside it in base.yaml, the block written above it and its
+    allowed values (:class:`Range`; checked by :func:`check_ranges` before the sections' own rules)."""
+    meta: dict[str, Any] = {"doc": doc, "above": above}
+    if any(b is not None for b in (ge, gt, le, lt)) or choices is not None:
+        meta["range"] = Range(ge, gt, le, lt, None if choices is None else tuple(choices))
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -74,42 +119,41 @@ def section(cls: type, doc: str = "") -> Any:
 class RunConfig:
     name: str = opt("laconic", "run name; output goes to ${run.output_dir}")
     output_dir: str = opt("results/${run.name}")
-    seed: int = opt(1234, "base seed (model init, data order, sampling streams)")
-    num_steps: int = opt(500, "number of GRPO steps (one rollout batch + policy update + dual step each)")
-    log_every: int = opt(1, "print a progress line every N steps (metrics.jsonl gets every step)")
-
-    def __post_init__(self):
-        _require(self.num_steps >= 1, "run.num_steps", "an integer >= 1", self.num_steps)
+    seed: int = opt(1234, "base seed (model init, data order, sampling streams); < 2^24: the seeds derived from it "
+                          "fit 64 bits", ge=0, lt=2**24)
+    num_steps: int = opt(500, "number of GRPO steps (one rollout batch + policy update + dual step each)", ge=1)
+    log_every: int = opt(1, "print a progress line every N steps (metrics.jsonl gets every step)", ge=1)
 
 
 @dataclass
 class ModelConfig:
-    source: str = opt("synthetic", above="""Where the initial policy comes from:
+    source: str = opt("synthetic", choices=("synthetic", "hf", "nemo"), above="""Where the initial policy comes from:
   synthetic: a tiny randomly initialised GPT (CPU demo, tests); shape below
   hf:        a Hugging Face checkpoint directory (model.path), loaded through laconic_nemo.bridge
   nemo:      a .nemo checkpoint (model.path), NeMo-Aligner actor only (cluster path)""")
     path: Optional[str] = opt(None)
-    num_layers: int = opt(2, above="Shape of the synthetic GPT (ignored for hf/nemo, which read it from the checkpoint).")
-    hidden_size: int = opt(64)
-    num_attention_heads: int = opt(4)
+    num_layers: int = opt(2, ge=1,
+                          above="Shape of the synthetic GPT (ignored for hf/nemo, which read it from the checkpoint).")
+    hidden_size: int = opt(64, "a multiple of num_attention_heads", ge=1)
+    num_attention_heads: int = opt(4, ge=1)
     num_query_groups: Optional[int] = opt(None, """key-value heads (grouped-query attention); null: num_attention_heads.
 hf / nemo read it from the checkpoint; plan sizes the KV cache with it
-when the checkpoint is not readable there""")
-    ffn_hidden_size: int = opt(256)
-    vocab_size: int = opt(64, "padded to a multiple of the TP size by the actor")
-    max_position_embeddings: int = opt(512)
-    precision: str = opt("fp32", "fp32 on CPU; bf16 on GPU")
-    attention: str = opt("auto", above="""Core attention of the megatron-core GPT (laconic_nemo/kernels.py): te (TransformerEngine, NGC
+when the checkpoint is not readable there""", ge=1)
+    ffn_hidden_size: int = opt(256, ge=1)
+    vocab_size: int = opt(64, "padded to a multiple of the TP size by the actor", ge=1)
+    max_position_embeddings: int = opt(512, ge=2)
+    precision: str = opt("fp32", "fp32 on CPU; bf16 on GPU", choices=("fp32", "bf16", "fp16"))
+    attention: str = opt("auto", choices=ATTENTION_CHOICES, above="""Core attention of the megatron-core GPT (laconic_nemo/kernels.py): te (TransformerEngine, NGC
 container) | sdpa (torch scaled_dot_product_attention: flash / memory-efficient kernels on GPU) |
 local (megatron's unfused DotProductAttention, [b, heads, s, s] scores) | auto (te > sdpa on GPU,
 local on CPU). No parameters: checkpoints do not depend on it.""")
 
     def __post_init__(self):
-        _one_of("model.source", self.source, ("synthetic", "hf", "nemo"))
         if self.source in ("hf", "nemo"):
             _require(bool(self.path), "model.path", "a checkpoint path when model.source is hf or nemo", self.path)
-        _one_of("model.precision", self.precision, ("fp32", "bf16", "fp16"))
-        _one_of("model.attention", self.attention, ATTENTION_CHOICES)
+        else:  # megatron splits the hidden size into equal heads (hf / nemo checkpoints state their own shape)
+            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                     f"a multiple of model.num_attention_heads = {self.num_attention_heads}", self.hidden_size)
         q = self.num_query_groups
         _require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
                  f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)
@@ -117,57 +161,59 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = opt(1, "TP; must divide the GPUs per node for good performance")
-    pipeline_model_parallel_size: int = opt(1, "PP; world size must be divisible by TP x PP; DP = world / (TP x PP)")
-    backend: str = opt("auto", "auto (nccl with CUDA, gloo on CPU) | nccl | gloo")
+    tensor_model_parallel_size: int = opt(1, "TP; must divide the GPUs per node for good performance", ge=1)
+    pipeline_model_parallel_size: int = opt(1, "PP; world size must be divisible by TP x PP; DP = world / (TP x PP)",
+                                            ge=1)
+    backend: str = opt("auto", "auto (nccl with CUDA, gloo on CPU) | nccl | gloo", choices=("auto", "nccl", "gloo"))
     collective_timeout_s: float = opt(600.0, above="""Hang detection (docs/reliability.md). A collective that waits longer than collective_timeout_s fails
 on every rank (torch.distributed and megatron's groups; torch's default would be 30 min). The local
-launcher's watchdog stops the run when no rank has made progress (a phase of a step, a warm-up step)
-for watchdog_s, naming the stalled rank; exit status 4. Both inferred: above the slowest phase.""")
-    watchdog_s: float = opt(600.0)
-
-    def __post_init__(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            _require(getattr(self, key) >= 1, f"parallel.{key}", "an integer >= 1", getattr(self, key))
-        _require(self.backend in ("auto", "nccl", "gloo"), "parallel.backend", "auto, nccl or gloo", self.backend)
-        for key in ("collective_timeout_s", "watchdog_s"):
-            v = getattr(self, key)
-            _require(math.isfinite(v) and v > 0, f"parallel.{key}", "a number of seconds > 0", v)
+launcher's watchdog stops the run when no rank has made progress (a phase of a step, a warm-up step),
+naming the stalled rank; exit status 4. Inside a GRPO or warm-up step, once this process has finished one,
+the bound is max(watchdog_min_s, watchdog_step_factor x the longest step so far) (a 4 s step: 60 s);
+elsewhere (start-up, the first step, checkpoints, export) it is watchdog_s. All inferred: above the
+slowest phase (a step varies far less than 10x between steps).""", gt=0)
+    watchdog_s: float = opt(600.0, gt=0)
+    watchdog_step_factor: float = opt(10.0, "0: watchdog_s everywhere", ge=0)
+    watchdog_min_s: float = opt(60.0, gt=0)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1.0e-6, "Adam learning rate (constant after warmup)")
-    weight_decay: float = opt(0.0)
-    adam_beta1: float = opt(0.9)
-    adam_beta2: float = opt(0.999)
-    adam_eps: float = opt(1.0e-8)
-    warmup_steps: int = opt(0, "linear warmup in optimiser steps")
-    grad_clip: float = opt(1.0, "global gradient-norm clip (0 disables)")
-
-    def __post_init__(self):
-        _require(self.lr > 0, "optim.lr", "> 0", self.lr)
-        _require(self.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 disables)", self.grad_clip)
+    lr: float = opt(1.0e-6, "Adam learning rate (constant after warmup)", gt=0)
+    weight_decay: float = opt(0.0, ge=0)
+    adam_beta1: float = opt(0.9, ge=0, lt=1)
+    adam_beta2: float = opt(0.999, ge=0, lt=1)
+    adam_eps: float = opt(1.0e-8, gt=0)
+    warmup_steps: int = opt(0, "linear warmup in optimiser steps", ge=0)
+    grad_clip: float = opt(1.0, "global gradient-norm clip (0 disables)", ge=0)
 
 
 @dataclass
 class SyntheticConfig:
-    min_terms: int = opt(2, "smallest k")
-    max_terms: int = opt(8, "largest k")
-    p_abbreviated: float = opt(0.15, "share of warm-up answers in the abbreviated style (boxed answer only)")
-    p_compact: float = opt(0.25, "share in the compact style (running sums only); the rest are worked")
-    max_filler: int = opt(4, 'worked / compact answers carry 0..max_filler "hmm. " phrases')
+    min_terms: int = opt(2, "smallest k", ge=2, le=SYNTHETIC_MAX_TERMS)
+    max_terms: int = opt(8, "largest k (>= min_terms)", ge=2, le=SYNTHETIC_MAX_TERMS)
+    p_abbreviated: float = opt(0.15, "share of warm-up answers in the abbreviated style (boxed answer only)", ge=0, le=1)
+    p_compact: float = opt(0.25, "share in the compact style (running sums only); the rest are worked", ge=0, le=1)
+    max_filler: int = opt(4, 'worked / compact answers carry 0..max_filler "hmm. " phrases', ge=0)
+
+    def __post_init__(self):
+        _require(self.min_terms <= self.max_terms, "data.synthetic.min_terms",
+                 f"an integer <= data.synthetic.max_terms = {self.max_terms}", self.min_terms)
+        _require(self.p_abbreviated + self.p_compact <= 1, "data.synthetic.p_compact",
+                 f"a number in [0, 1 - data.synthetic.p_abbreviated] = [0, {1 - self.p_abbreviated:g}] (the shares "
+                 "of the styles sum to at most 1)", self.p_compact)
 
 
 @dataclass
 class DataConfig:
-    kind: str = opt("math", "math (json/jsonl/parquet problem files) | synthetic (tiny CPU task)")
+    kind: str = opt("math", "math (json/jsonl/parquet problem files) | synthetic (tiny CPU task)",
+                    choices=("math", "synthetic"))
     train_files: List[str] = opt([], "list of files with `problem` and `answer` fields")
     prompt_template: str = opt("deepseek_r1", """a template of laconic_nemo/data/datasets.py TEMPLATES: deepseek_r1,
 qwen_chat, plain, or the authors' prompt (EasyR1 math.jinja) in a model's
 chat template: deepseek_r1_easyr1_math, qwen3_easyr1_math, qwen_math_easyr1_math""")
     shuffle: bool = opt(True)
-    num_prompts: int = opt(4096, "synthetic: size of the RL prompt set (problems drawn with run.seed)")
+    num_prompts: int = opt(4096, "synthetic: size of the RL prompt set (problems drawn with run.seed)", ge=1)
     target_length_range: Optional[List[int]] = opt(None, "e.g. [100, 4000] (L1 paper)", above="""Per-prompt target lengths n_gold for the L1 baselines (l1_exact / l1_max): drawn uniformly from
 [min, max] for every prompt of every step (a function of run.seed, step and prompt), stated in the
 prompt with target_instruction, handed to the shaper. null: no targets (other shapers).""")
@@ -184,21 +230,21 @@ prompt with target_instruction, handed to the shaper. null: no targets (other sh
 
 @dataclass
 class WarmupConfig:
-    num_steps: int = opt(0)
-    batch_size: int = opt(64, "sequences per step (GLOBAL)")
-    lr: float = opt(1.0e-3)
+    num_steps: int = opt(0, ge=0)
+    batch_size: int = opt(64, "sequences per step (GLOBAL)", ge=1)
+    lr: float = opt(1.0e-3, gt=0)
     cache_dir: Optional[str] = opt(None, """reuse a warmed-up policy across runs with the same model/warmup/layout
 (null: ${run.output_dir}/warmup)""")
 
 
 @dataclass
 class GRPOConfig:
-    num_prompts_per_step: int = opt(128, "prompts per step (GLOBAL, over all DP ranks)")
-    group_size: int = opt(8, "G responses sampled per prompt")
+    num_prompts_per_step: int = opt(128, "prompts per step (GLOBAL, over all DP ranks)", ge=1)
+    group_size: int = opt(8, "G responses sampled per prompt (group advantages need G >= 2)", ge=2)
     minibatch_size: int = opt(256, "responses per optimiser step (GLOBAL); rollout batch / minibatch = steps per "
-                                   "rollout")
+                                   "rollout", ge=1)
     micro_batch_size: int = opt(4, """responses per forward/backward on one DP rank (rows padded to a common width; the
-megatron-core actor uses it only with micro_batch_tokens = 0)""")
+megatron-core actor uses it only with micro_batch_tokens = 0)""", ge=1)
     micro_batch_tokens: int = opt(16384, """megatron-core actor: token budget of a packed micro-batch: rows (prompt +
 response) concatenated without padding, first-fit decreasing, each attending to
 itself only (document-causal), positions restarting per row; a longer row forms
@@ -206,124 +252,85 @@ a micro-batch of its own; PP > 1 pads each pack's tail to the longest pack.
 0 = no packing (micro-batches of micro_batch_size padded rows). 16384: the
 16k-token packs measured on one H100 at the 1.5B shape, as verl's default
 ppo_max_token_len_per_gpu (verl/trainer/config/actor/actor.yaml) (inferred).
-The NeMo-Aligner actor ignores it (NeMo's own micro-batches)""")
+The NeMo-Aligner actor ignores it (NeMo's own micro-batches)""", ge=0)
     recompute_layers: Optional[int] = opt(None, """megatron-core actor: layers per pipeline stage whose activations are
 recomputed in backward (megatron's full recompute of the first N layers; N >= the
 stage's layers: all). null = chosen by memory: on GPU, at every step, the fewest
 that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
-(none where all fit); none on CPU""")
-    clip_eps: float = opt(0.2, "epsilon of the clipped ratio (lower side; and upper side unless clip_eps_high)")
-    clip_eps_high: Optional[float] = opt(None, "optional larger upper clip (DAPO clip-higher); null = clip_eps")
+(none where all fit); none on CPU""", ge=0)
+    clip_eps: float = opt(0.2, "epsilon of the clipped ratio (lower side; and upper side unless clip_eps_high)", gt=0,
+                          lt=1)
+    clip_eps_high: Optional[float] = opt(None, "optional larger upper clip (DAPO clip-higher); null = clip_eps", gt=0)
     clip_dual: Optional[float] = opt(None, """dual-clip PPO constant C > 1: for A < 0 the token loss is capped at C |A|
-(EasyR1 clip_ratio_dual 3.0); null = off""")
-    kl_beta: float = opt(0.0, "beta of KL(pi || pi_ref) (k3 estimator); 0 disables the reference policy")
+(EasyR1 clip_ratio_dual 3.0); null = off""", gt=1)
+    kl_beta: float = opt(0.0, "beta of KL(pi || pi_ref) (k3 estimator); 0 disables the reference policy", ge=0)
     loss_aggregation: str = opt("seq_mean_token_mean", "seq_mean_token_mean (paper: mean over tokens, then "
-                                                       "sequences) | token_mean")
-    advantage_eps: float = opt(1.0e-6, "eps in (l - mean) / (std + eps)")
+                                                       "sequences) | token_mean",
+                                choices=("seq_mean_token_mean", "token_mean"))
+    advantage_eps: float = opt(1.0e-6, "eps in (l - mean) / (std + eps)", ge=0)
     advantage_std: str = opt("unbiased", """std of the group: unbiased (divide by G - 1: torch.std, EasyR1 / the authors)
-| population (divide by G); unbiased makes advantages sqrt((G-1)/G) smaller""")
+| population (divide by G); unbiased makes advantages sqrt((G-1)/G) smaller""", choices=("unbiased", "population"))
     leave_one_out: bool = opt(False, "leave-one-out group mean")
     sort_by_length: bool = opt(True, """megatron-core actor, PP = 1: micro-batches of rows of similar length, each cut
 to its longest row (less padding; the same gradient up to float rounding)""")
     logprob_chunk_size: int = opt(1024, """megatron-core actor: log-probs in chunks of this many positions (bounds the
-float32 copy of the [b, s, V/tp] logits; recomputed in backward)""")
+float32 copy of the [b, s, V/tp] logits; recomputed in backward)""", ge=1)
     reference_on: str = opt("auto", """megatron-core actor, kl_beta > 0: where pi_ref's weights live: device (beside
 the weights, swapped by pointer, no copy; on CPU too) | pinned (GPU only: pinned
 host memory, async copies; for models whose second copy does not fit) |
-cpu (pageable host memory, copies) | auto (device)""")
+cpu (pageable host memory, copies) | auto (device)""", choices=REFERENCE_CHOICES)
 
     def __post_init__(self):
-        _require(self.num_prompts_per_step >= 1, "grpo.num_prompts_per_step", "an integer >= 1",
-                 self.num_prompts_per_step)
-        _require(self.group_size >= 2, "grpo.group_size", "an integer >= 2 (group advantages need G >= 2)",
-                 self.group_size)
         rollout_size = self.num_prompts_per_step * self.group_size
-        _require(self.minibatch_size >= 1 and rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
+        _require(rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
                  f"a divisor of num_prompts_per_step * group_size = {rollout_size}", self.minibatch_size)
-        _require(self.micro_batch_size >= 1, "grpo.micro_batch_size", "an integer >= 1", self.micro_batch_size)
-        _require(self.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", "an integer >= 0 (0: no packing)",
-                 self.micro_batch_tokens)
-        if self.recompute_layers is not None:
-            _require(self.recompute_layers >= 0, "grpo.recompute_layers", "null (by memory) or an integer >= 0",
-                     self.recompute_layers)
-        _require(0 < self.clip_eps < 1, "grpo.clip_eps", "in (0, 1)", self.clip_eps)
         if self.clip_eps_high is not None:
             _require(self.clip_eps_high >= self.clip_eps, "grpo.clip_eps_high", ">= grpo.clip_eps or null",
                      self.clip_eps_high)
-        if self.clip_dual is not None:
-            _require(self.clip_dual > 1, "grpo.clip_dual", "> 1 or null", self.clip_dual)
-        _require(self.advantage_std in ("unbiased", "population"), "grpo.advantage_std", "unbiased or population",
-                 self.advantage_std)
-        _require(math.isfinite(self.advantage_eps) and self.advantage_eps >= 0, "grpo.advantage_eps",
-                 "a finite number >= 0", self.advantage_eps)
-        _require(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
-        _require(self.loss_aggregation in ("seq_mean_token_mean", "token_mean"), "grpo.loss_aggregation",
-                 "seq_mean_token_mean or token_mean", self.loss_aggregation)
-        _one_of("grpo.reference_on", self.reference_on, REFERENCE_CHOICES)
-        _require(self.logprob_chunk_size >= 1, "grpo.logprob_chunk_size", ">= 1", self.logprob_chunk_size)
 
 
 @dataclass
 class LaconicConfig:
-    shaper: str = opt("laconic", " | ".join(SHAPERS) + " (laconic_nemo/core/shapers.py)")
-    budget: float = opt(1500, "B, token budget on the mean response length")
-    eta: float = opt(0.002, "dual step size")
-    ceiling: Optional[float] = opt(None, "Lambda; null = B / (L_max - B)")
+    shaper: str = opt("laconic", " | ".join(SHAPERS) + " (laconic_nemo/core/shapers.py)", choices=tuple(SHAPERS))
+    budget: float = opt(1500, "B, token budget on the mean response length", gt=0)
+    eta: float = opt(0.002, "dual step size", ge=0)
+    ceiling: Optional[float] = opt(None, "Lambda; null = B / (L_max - B)", ge=0)
     lambda_init: float = opt(0.0, """initial lambda, in [0, Lambda] (and the constant lambda of the `fixed` shaper);
-below `floor` it is used as is for step 1 and clipped by the first dual step""")
-    floor: float = opt(0.0, "lower clip of lambda (authors' DeepScaleR script: 1e-5)")
+below `floor` it is used as is for step 1 and clipped by the first dual step""", ge=0)
+    floor: float = opt(0.0, "lower clip of lambda (authors' DeepScaleR script: 1e-5)", ge=0)
     controller: str = opt("integral", above="""lambda controller on the error e = mean_L / B - 1: integral (the paper: lambda += eta * e, clipped) |
 pid (PID Lagrangian, Stooke et al. 2020: lambda = I + kp * e + kd * (e - e_prev), I += eta * e, clipped
 into [floor, Lambda] and held while lambda is saturated; laconic_nemo/core/dual.py). kp = kd = 0 with pid
-is the integral controller. Choose gains with `laconic-nemo simulate` (beyond the paper).""")
-    kp: float = opt(0.0, "proportional gain >= 0 (pid only)")
-    kd: float = opt(0.0, "derivative gain >= 0 (pid only)")
-    penalty_cap: Optional[float] = opt(None, "cap on the per-response penalty lambda * c (authors' code: 0.4)")
-    hit_cap: float = opt(0.0, "extra penalty for responses truncated at L_max (authors' code: 0.1)")
+is the integral controller. Choose gains with `laconic-nemo simulate` (beyond the paper).""", choices=CONTROLLERS)
+    kp: float = opt(0.0, "proportional gain >= 0 (pid only)", ge=0)
+    kd: float = opt(0.0, "derivative gain >= 0 (pid only)", ge=0)
+    penalty_cap: Optional[float] = opt(None, "cap on the per-response penalty lambda * c (authors' code: 0.4)", gt=0)
+    hit_cap: float = opt(0.0, "extra penalty for responses truncated at L_max (authors' code: 0.1)", ge=0)
     count_eos: bool = opt(False, """L counts the EOS token (EasyR1's response mask) and a response with L = L_max
 gets hit_cap even when it ended on EOS (authors' runs); false: paper form""")
-    alpha: Optional[float] = opt(None, "coefficient of l1_exact / l1_max / efficient (null = method default)")
-    overlong_buffer: int = opt(512, "DAPO overlong shaping: buffer length")
-    overlong_penalty: float = opt(1.0, "DAPO overlong shaping: maximal penalty")
-
-    def __post_init__(self):
-        _one_of("laconic.shaper", self.shaper, tuple(SHAPERS))
-        _require(math.isfinite(self.budget) and self.budget > 0, "laconic.budget", "a number > 0 (tokens)",
-                 self.budget)
-        _require(self.lambda_init >= 0, "laconic.lambda_init",
-                 ">= 0 (below laconic.floor is allowed: the first dual step clips it)", self.lambda_init)
-        for key in ("penalty_cap", "alpha"):
-            v = getattr(self, key)
-            if v is not None:
-                _require(math.isfinite(v) and v > 0, f"laconic.{key}", "null or a finite number > 0", v)
-        for key in ("hit_cap", "overlong_penalty"):
-            v = getattr(self, key)
-            _require(math.isfinite(v) and v >= 0, f"laconic.{key}", "a finite number >= 0", v)
+    alpha: Optional[float] = opt(None, "coefficient of l1_exact / l1_max / efficient (null = method default)", gt=0)
+    overlong_buffer: int = opt(512, "DAPO overlong shaping: buffer length", ge=1)
+    overlong_penalty: float = opt(1.0, "DAPO overlong shaping: maximal penalty", ge=0)
 
 
 @dataclass
 class RewardConfig:
-    kind: str = opt("math", "math (boxed answer + math-verify) | synthetic (the tiny CPU task's checker)")
-    num_workers: int = opt(2, "grading worker processes")
-    timeout_s: float = opt(5.0, "hard per-item timeout; a timed-out item scores 0")
-    format_weight: float = opt(0.0, "authors' code: 0.1 -> reward = 0.9 * accuracy + 0.1 * format")
+    kind: str = opt("math", "math (boxed answer + math-verify) | synthetic (the tiny CPU task's checker)",
+                    choices=("math", "synthetic"))
+    num_workers: int = opt(2, "grading worker processes (0: grade in the trainer's process)", ge=0)
+    timeout_s: float = opt(5.0, "hard per-item timeout; a timed-out item scores 0", gt=0)
+    format_weight: float = opt(0.0, "authors' code: 0.1 -> reward = 0.9 * accuracy + 0.1 * format", ge=0, lt=1)
     format: str = opt("boxed", """format term: boxed (a final \\boxed{} answer) | think_boxed (the authors':
-<think>...</think> then \\boxed{}, laconic_nemo/rewards/format.py)""")
-
-    def __post_init__(self):
-        _require(self.kind in ("math", "synthetic"), "reward.kind", "math or synthetic", self.kind)
-        _require(self.timeout_s > 0, "reward.timeout_s", "> 0 seconds", self.timeout_s)
-        _require(0 <= self.format_weight < 1, "reward.format_weight", "in [0, 1)", self.format_weight)
-        _require(self.format in ("boxed", "think_boxed"), "reward.format", "boxed or think_boxed", self.format)
+<think>...</think> then \\boxed{}, laconic_nemo/rewards/format.py)""", choices=("boxed", "think_boxed"))
 
 
 @dataclass
 class VllmConfig:
-    gpu_memory_utilization: float = opt(0.5, "share of GPU memory for vLLM's weights + KV cache")
+    gpu_memory_utilization: float = opt(0.5, "share of GPU memory for vLLM's weights + KV cache", gt=0, le=1)
     colocate: bool = opt(True, """on the training GPUs; vLLM sleeps (frees its memory) while the policy trains.
 Only true is accepted: separate vLLM GPUs need a weight channel (not implemented)""")
-    max_model_len: Optional[int] = opt(None, "null: vLLM's default from the checkpoint")
-    dtype: str = opt("bfloat16")
+    max_model_len: Optional[int] = opt(None, "null: vLLM's default from the checkpoint", ge=1)
+    dtype: str = opt("bfloat16", "vLLM's --dtype", choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
 
     def __post_init__(self):
         # Separate-GPU vLLM has no weight channel: every rank's engine would land on cuda:0 (vLLM's UniProcExecutor)
@@ -336,59 +343,49 @@ Only true is accepted: separate vLLM GPUs need a weight channel (not implemented
 class RolloutConfig:
     engine: str = opt("megatron", """megatron (the project's decode engine, laconic_nemo/rollout/engine.py, for both
 actors) | vllm (GPU, megatron-core actor with model.source = hf, PP = 1) | nemo
-(NeMo-Aligner's native generation, NeMo-Aligner actor only)""")
-    max_new_tokens: int = opt(4096, "L_max during training")
-    temperature: float = opt(1.0, "sampling temperature; old, new and reference log-probs use it too (verl dp_actor)")
-    top_p: float = opt(1.0)
+(NeMo-Aligner's native generation, NeMo-Aligner actor only)""", choices=("megatron", "vllm", "nemo"))
+    max_new_tokens: int = opt(4096, "L_max during training", ge=1)
+    temperature: float = opt(1.0, "sampling temperature; old, new and reference log-probs use it too (verl dp_actor)",
+                             gt=0)
+    top_p: float = opt(1.0, gt=0, le=1)
     sampler: str = opt("auto", """exact (host float64 draws, per-sample torch generators) | device (all on the
 GPU, counter-based per-sample uniforms) | auto (device on GPU, exact on CPU)""",
                        above="""megatron engine only (laconic_nemo/rollout/engine.py; docs/architecture.md, "Rollout engine").
-A sample's tokens depend on (run.seed, step, DP rank, sample index) only, never on the batch.""")
-    sync_every: int = opt(8, "decode steps between host synchronisations (finished rows are checked there)")
+A sample's tokens depend on (run.seed, step, DP rank, sample index) only, never on the batch.""",
+                       choices=SAMPLER_CHOICES)
+    sync_every: int = opt(8, "decode steps between host synchronisations (finished rows are checked there)", ge=1)
     compact: bool = opt(True, """at each synchronisation, move the live rows into the smallest
 batch bucket they fit""")
     batch_buckets: List[int] = opt([8, 16, 32, 64, 128, 256, 512], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
 largest. Inferred: powers of two, like vLLM's capture sizes.""")
     kv_block: int = opt(256, """attention reads the cache up to the longest live row, rounded up to a multiple of
-this many positions (one graph per length); inferred""")
+this many positions (one graph per length); inferred""", ge=1)
     cuda_graphs: bool = opt(True, "capture each decode step as a CUDA graph (GPU); false: run it eagerly")
     prefill_tokens: int = opt(16384, """tokens per prefill forward (distinct prompts x the longest of them); bounds its
-activation memory; inferred""")
+activation memory; inferred""", ge=1)
     max_prompt_length: int = opt(1024, """KV cache positions = max_prompt_length + max_new_tokens (within the model's
 context); a longer prompt grows the cache (checked again). Inferred: the flagship
-prompts (DeepScaleR problems in the chat template) are a few hundred tokens""")
+prompts (DeepScaleR problems in the chat template) are a few hundred tokens""", ge=1)
     kv_cache_rows: Optional[int] = opt(None, """rows of the KV cache; null: this DP rank's responses per step
 (num_prompts_per_step x group_size / DP). A larger generate call runs in passes
-of this many rows (same tokens)""")
+of this many rows (same tokens)""", ge=1)
     kv_cache_memory_fraction: float = opt(0.3, """the cache's largest share of the device's memory
 (GPU: its total memory; CPU: physical RAM), checked before it is
 allocated; plan checks it against --gpu-memory-gib. Inferred: leaves
-the rest to weights, Adam and activations""")
+the rest to weights, Adam and activations""", gt=0, le=1)
     vllm: VllmConfig = section(VllmConfig, "rollout.engine = vllm (GPU, model.source = hf): laconic_nemo/rollout/vllm.py")
 
     def __post_init__(self):
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
-        _require(self.temperature > 0, "rollout.temperature", "> 0", self.temperature)
-        _require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
-        _require(self.engine in ("megatron", "vllm", "nemo"), "rollout.engine", "megatron, vllm or nemo", self.engine)
-        _one_of("rollout.sampler", self.sampler, SAMPLER_CHOICES)
-        _require(self.sync_every >= 1, "rollout.sync_every", ">= 1", self.sync_every)
         b = list(self.batch_buckets)
         _require(len(b) > 0 and all(x >= 1 for x in b) and all(x < y for x, y in zip(b, b[1:])),
                  "rollout.batch_buckets", "a non-empty, strictly increasing list of integers >= 1", b)
-        _require(self.kv_block >= 1, "rollout.kv_block", "an integer >= 1", self.kv_block)
-        _require(self.prefill_tokens >= 1, "rollout.prefill_tokens", "an integer >= 1", self.prefill_tokens)
-        _require(self.max_prompt_length >= 1, "rollout.max_prompt_length", "an integer >= 1", self.max_prompt_length)
-        _require(self.kv_cache_rows is None or self.kv_cache_rows >= 1, "rollout.kv_cache_rows",
-                 "null or an integer >= 1", self.kv_cache_rows)
-        _require(0 < self.kv_cache_memory_fraction <= 1, "rollout.kv_cache_memory_fraction", "in (0, 1]",
-                 self.kv_cache_memory_fraction)
 
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: int = opt(50, "write a checkpoint every N steps (and at the end, and on SIGUSR1/SIGTERM)")
-    keep_last: int = opt(2, "how many checkpoints to keep")
+    every_n_steps: int = opt(50, "write a checkpoint every N steps (0: only at the end; and on SIGUSR1/SIGTERM)",
+                             ge=0)
+    keep_last: int = opt(2, "how many checkpoints to keep", ge=1)
     resume: str = opt("auto", """auto (latest in ${run.output_dir}/checkpoints if any) | never | <path>
 (never refuses an output_dir that already holds a run)""")
     resume_allow_changes: List[str] = opt([], above="""Keys allowed to differ from the resumed checkpoint's config (e.g. [run.seed, laconic.eta]); any other
@@ -398,11 +395,6 @@ timeouts and reward.num_workers may always change (laconic_nemo/grpo/resume.py).
 (what `laconic-nemo export RUN --to hf OUT` writes). Needs model.source = hf: the synthetic GPT has no
 Hugging Face architecture. Runs on rank 0 after the final checkpoint while the other ranks wait, so it
 must fit in parallel.collective_timeout_s / watchdog_s. Framework default: false.""")
-
-    def __post_init__(self):
-        _require(self.every_n_steps >= 0, "checkpoint.every_n_steps", ">= 0 (0: only at the end)",
-                 self.every_n_steps)
-        _require(self.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1", self.keep_last)
 
 
 @dataclass
@@ -531,6 +523,10 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} {not_utf8(path, exc)}") from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: {omegaconf_message(exc)}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: a recipe must be a mapping")
     parents = raw.pop("defaults", None) or []
@@ -547,6 +543,27 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
             raise ConfigError(f"{path}: defaults entry {parent!r} not found at {parent_path}")
         merged = OmegaConf.merge(merged, _load_with_defaults(parent_path.resolve(), (*seen, path)))
     return OmegaConf.merge(merged, raw)
+
+
+def not_utf8(path: str | Path, exc: UnicodeDecodeError) -> str:
+    """Where in ``path`` the bytes that are not UTF-8 sit ("line 3, column 7: byte 0xff is not UTF-8 text")."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        data = exc.object if isinstance(exc.object, bytes) else b""
+    head = data[: exc.start]
+    line, column = head.count(b"\n") + 1, exc.start - (head.rfind(b"\n") + 1) + 1
+    return f"line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8 text (save the file as UTF-8)"
+
+
+def omegaconf_message(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error: the key, what is wrong and, for an interpolation, what is allowed."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    key = getattr(exc, "full_key", None)
+    allowed = ""
+    if "nterpolation" in type(exc).__name__ or "Grammar" in type(exc).__name__:
+        allowed = " (allowed: a value, or ${section.key} naming an existing key, e.g. ${run.name})"
+    return f"{key}: {first}{allowed}" if key else f"{first}{allowed}"
 
 
 def _check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
@@ -610,6 +627,31 @@ def check_types(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
             raise ConfigError(f"{dotted} = {value!r} is invalid: allowed {allowed}{hint}")
 
 
+def ranged_keys(schema: type = None, prefix: str = "") -> list[tuple[str, Range, type, bool]]:
+    """(dotted key, range, int | float | str, nullable) of every field with a range, section by section."""
+    schema = Config if schema is None else schema
+    hints = typing.get_type_hints(schema)
+    out = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += ranged_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif "range" in f.metadata:
+            kind, nullable = _kind(hints[f.name])
+            out.append((f"{prefix}{f.name}", f.metadata["range"], kind, nullable))
+    return out
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every value inside its field's range (:class:`Range`); raises ConfigError naming the key and the range."""
+    for key, rng, kind, nullable in ranged_keys():
+        value = OmegaConf.select(cfg, key)
+        if value is None and nullable:
+            continue
+        if not rng.allows(value):
+            allowed = rng.describe(kind) + (" or null" if nullable else "")
+            raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool = True) -> DictConfig:
     """Load ``path`` with its defaults chain and ``overrides``; reject unknown keys and mistyped values.
 
@@ -625,30 +667,49 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool 
                 raise ConfigError(f"override {item!r} must look like key=value")
         try:
             ov = OmegaConf.from_dotlist(overrides)
-        except Exception as exc:  # omegaconf raises several grammar errors
+        except OmegaConfBaseException as exc:  # omegaconf raises several grammar errors
+            raise ConfigError(f"cannot parse the overrides: {omegaconf_message(exc)}") from None
+        except Exception as exc:
             raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from exc
         _check_known_keys(ov, Config)
         cfg = OmegaConf.merge(cfg, ov)
     return build_config(cfg, validate=validate)
 
 
+_SCHEMA: list = []
+
+
+def _schema() -> tuple[DictConfig, dict]:
+    """The structured config of :class:`Config` and its plain defaults, built once (building them is most of
+    the cost of loading a recipe)."""
+    if not _SCHEMA:
+        structured = OmegaConf.structured(Config)
+        _SCHEMA.extend([structured, OmegaConf.to_container(structured)])
+    return _SCHEMA[0], _SCHEMA[1]
+
+
 def build_config(values: Any, validate: bool = True) -> DictConfig:
     """The typed config from a mapping of recipe values (missing keys take their defaults): unknown keys and
     mistyped values raise ConfigError naming the key; then the ranges are checked unless ``validate`` is False."""
-    cfg = values if isinstance(values, DictConfig) else OmegaConf.create(values)
-    _check_known_keys(cfg, Config)
-    # untyped first (the type check names the key in this module's words), typed once the values passed it
-    plain = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(Config))), cfg)
-    OmegaConf.resolve(plain)
+    try:
+        cfg = values if isinstance(values, DictConfig) else OmegaConf.create(values)
+        _check_known_keys(cfg, Config)
+        # untyped first (the type check names the key in this module's words), typed once the values passed it
+        plain = OmegaConf.merge(OmegaConf.create(_schema()[1]), cfg)
+        OmegaConf.resolve(plain)  # an interpolation naming a missing key fails here, naming the key
+    except OmegaConfBaseException as exc:
+        raise ConfigError(omegaconf_message(exc)) from None
     check_types(plain)
-    typed = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    typed = OmegaConf.merge(_schema()[0], plain)  # merge copies its first argument: the cached schema stays as is
     if validate:
         validate_config(typed)
     return typed
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """The sections' range checks and the rules across sections (:class:`Config`). Raises ConfigError."""
+    """The fields' ranges (:func:`check_ranges`), then the rules across fields and sections (the sections' and
+    :class:`Config`'s ``__post_init__``). Raises ConfigError."""
+    check_ranges(cfg)
     OmegaConf.to_object(cfg)
 
 

@@ -1,11 +1,13 @@
 """Progress heartbeats for the local launcher's watchdog, and test-only fault points.
 
 Heartbeats: when the local launcher starts the ranks it sets ``LACONIC_HEARTBEAT_DIR``; every rank
-then records its current phase there (``rank<r>.json``: phase, step, pid, time) at start-up, at every
-warm-up step and at the start of every phase of a GRPO step. The launcher reads these files to know
-which ranks are ready for forwarded signals and, when no rank has made progress for
-``parallel.watchdog_s``, which rank stalled first (the oldest heartbeat). Without the variable
-(torchrun, srun) :func:`heartbeat` does nothing.
+then records its current phase there (``rank<r>.json``: phase, step, pid, time, and inside a warm-up or
+GRPO step ``step_s``, the longest such step of this process so far) at start-up, at every warm-up step
+and at the start of every phase of a GRPO step. The launcher reads these files to know which ranks are
+ready for forwarded signals and, when no rank has made progress for the watchdog's bound
+(``parallel.watchdog_s``, or inside a step ``max(parallel.watchdog_min_s, parallel.watchdog_step_factor
+x step_s)``), which rank stalled first (the oldest heartbeat). Without the variable (torchrun, srun)
+:func:`heartbeat` does nothing.
 
 Fault points (tests and fault-injection runs only): ``LACONIC_FAULT`` holds comma-separated
 ``point@step:rank[:action]`` entries; when rank ``rank`` reaches ``point`` during 1-based step
@@ -71,15 +73,19 @@ def fault_point(point: str, step: int) -> None:
         fire(action)
 
 
-def heartbeat(phase: str, step: int = 0) -> None:
-    """Record that this rank entered ``phase`` of ``step`` (no-op unless the launcher asked for it)."""
+def heartbeat(phase: str, step: int = 0, step_s: float | None = None) -> None:
+    """Record that this rank entered ``phase`` of ``step`` (no-op unless the launcher asked for it). ``step_s``:
+    inside a warm-up or GRPO step, the longest such step this process has finished (seconds), else None."""
     folder = os.environ.get(HEARTBEAT_ENV)
     if not folder:
         return
     path = Path(folder) / f"rank{_rank()}.json"
     tmp = path.with_name(path.name + ".tmp")
+    beat = {"phase": phase, "step": int(step), "pid": os.getpid(), "time": time.time()}
+    if step_s is not None:
+        beat["step_s"] = float(step_s)
     try:
-        tmp.write_text(json.dumps({"phase": phase, "step": int(step), "pid": os.getpid(), "time": time.time()}))
+        tmp.write_text(json.dumps(beat))
         os.replace(tmp, path)
     except OSError:  # the launcher is gone or its folder removed: nothing to report to
         pass

@@ -81,17 +81,33 @@ def _fail(key: str, value, allowed: str) -> None:
     raise LayoutError(f"{key} = {value!r} does not fit the layout: {allowed}")
 
 
+def _invalid(key: str, value, allowed: str) -> None:
+    raise LayoutError(f"{key} = {value!r} is invalid: allowed {allowed}")
+
+
 def _hf_config(path: str | None) -> dict | None:
-    """The HF ``config.json`` next to (or inside) ``path`` when it is readable here, else None."""
+    """The HF ``config.json`` next to (or inside) ``path`` when it is here, else None. A ``config.json`` that is
+    not a JSON object raises LayoutError naming the file and the line."""
     if not path:
         return None
     p = Path(path)
     for cand in (p / "config.json", p.parent / "config.json"):
         if cand.is_file():
             try:
-                return json.loads(cand.read_text())
-            except (OSError, ValueError):
-                return None
+                data = json.loads(cand.read_bytes().decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                from laconic_nemo.config import not_utf8
+
+                raise LayoutError(f"{cand} {not_utf8(cand, exc)}") from None
+            except ValueError as exc:
+                line = f" line {exc.lineno}" if hasattr(exc, "lineno") else ""
+                raise LayoutError(f"{cand}{line}: invalid JSON ({getattr(exc, 'msg', exc)}); the model folder's "
+                                  "config.json must be the checkpoint's JSON configuration") from None
+            except OSError as exc:
+                raise LayoutError(f"{cand}: unreadable ({exc.strerror})") from None
+            if not isinstance(data, dict):
+                raise LayoutError(f"{cand}: a JSON object expected (the checkpoint's configuration)")
+            return data
     return None
 
 
@@ -185,7 +201,26 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
                       (" (or pass --hf-model to convert one)" if m.source == "nemo" else ""))
     elif m.source == "nemo" and hf_model:
         conversion = not Path(str(m.path)).exists()
+    # which data goes with which model: the synthetic task has its own character tokenizer and GPT, math problems
+    # need a checkpoint's tokenizer; reward.kind names the checker the data's answers are graded by
+    if cfg.data.kind == "synthetic" and m.source != "synthetic":
+        _invalid("data.kind", "synthetic", f"math with model.source = {m.source} (the synthetic task has its own "
+                 "tokenizer and model: model.source = synthetic)")
+    if cfg.data.kind == "math" and m.source == "synthetic":
+        _invalid("data.kind", "math", "synthetic with model.source = synthetic (math problems need a checkpoint's "
+                 "tokenizer: model.source = hf or nemo)")
+    if cfg.reward.kind != cfg.data.kind:
+        _invalid("reward.kind", cfg.reward.kind, f"{cfg.data.kind}, the checker of data.kind = {cfg.data.kind}")
+    if cfg.rollout.engine == "vllm" and m.source != "hf":
+        _invalid("rollout.engine", "vllm", f"megatron with model.source = {m.source} (vLLM loads a Hugging Face "
+                 "checkpoint: model.source = hf)")
+    if cfg.data.kind == "synthetic":
+        _synthetic_context(cfg, max_pos)
     if cfg.data.kind == "math":
+        from laconic_nemo.data.datasets import TEMPLATES
+
+        if cfg.data.prompt_template not in TEMPLATES:
+            _invalid("data.prompt_template", cfg.data.prompt_template, f"one of {', '.join(sorted(TEMPLATES))}")
         files = list(cfg.data.train_files)
         if not files:
             _fail("data.train_files", files, "at least one json/jsonl/parquet file with problem and answer")
@@ -263,6 +298,24 @@ def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_ba
                             fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
+
+
+def _synthetic_context(cfg: DictConfig, max_pos: int) -> None:
+    """The synthetic task's longest prompt + L_max, and its longest warm-up example, fit the context window
+    (laconic_nemo.data.synthetic: prompt ``Q:`` + 2 tokens per term + newline; a worked answer 5 tokens per
+    term + 9, after up to max_filler 5-token filler phrases, + EOS)."""
+    syn = cfg.data.synthetic
+    prompt = 2 + 2 * int(syn.max_terms) + 1
+    lmax = int(cfg.rollout.max_new_tokens)
+    if prompt + lmax > max_pos:
+        _fail("rollout.max_new_tokens", lmax, f"at most model.max_position_embeddings - the longest prompt = "
+              f"{max_pos} - {prompt} = {max_pos - prompt} (data.synthetic.max_terms = {syn.max_terms})")
+    if int(cfg.warmup.num_steps) > 0:
+        longest = prompt + 5 * int(syn.max_terms) + 9 + 5 * int(syn.max_filler) + 1
+        if longest > max_pos:
+            _fail("data.synthetic.max_filler", int(syn.max_filler), f"the longest warm-up example ({longest} tokens "
+                  f"with max_terms = {syn.max_terms}) must fit model.max_position_embeddings = {max_pos}: allowed "
+                  f"max_filler <= {(max_pos - prompt - 5 * int(syn.max_terms) - 10) // 5}")
 
 
 def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
@@ -426,24 +479,18 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from laconic_nemo.app.nemo_entry import split_overrides
-    from laconic_nemo.grpo.build import build_step_one
+    from laconic_nemo.preflight import check_recipe
 
     recipe_ov, nemo_ov = split_overrides(list(args.overrides))  # nemo.* keys go to the NeMo config
     try:
         cfg = load_config(args.recipe, recipe_ov)
-        plan = plan_layout(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
-                           check_paths=not args.skip_path_checks, gpu_memory_gib=args.gpu_memory_gib)
-        tok = None
-        if not args.skip_path_checks:
-            found = check_model_folder(cfg, args.hf_model, nemo_ov)
-            plan.tokenizer, plan.end_strings, tok = found["tokenizer"], found["end_strings"], found["loaded"]
-        # what the trainer builds before step 1 without a GPU: shaper + lambda controller, advantages, loss,
-        # reward, and (paths permitting) tokenizer (the one loaded above, if any) and one rendered prompt
-        built = build_step_one(cfg, hf_model=args.hf_model, tokenizer=tok)
+        # the pre-flight `train` runs too (laconic_nemo.preflight): plan refuses what train would refuse
+        plan, built = check_recipe(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
+                                   nemo_overrides=nemo_ov, check_paths=not args.skip_path_checks,
+                                   gpu_memory_gib=args.gpu_memory_gib)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"laconic-nemo plan: {exc}", file=sys.stderr)
         return 2
-    plan.warnings += built.warnings
     cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), args.container, args.mounts, args.hf_model)
     if args.json:
         print(json.dumps({**asdict(plan), "build": asdict(built), "commands": cmds}, indent=1))

@@ -66,7 +66,7 @@ def test_cross_field_config_error_exit_2(capsys):
 
 def test_paths_checked_and_conversion_planned(tmp_path):
     data = tmp_path / "train.json"
-    data.write_text("[]")
+    data.write_text(json.dumps([{"problem": "1+1", "answer": 2}]))  # an empty file is refused
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"num_attention_heads": 12, "num_key_value_heads": 2,

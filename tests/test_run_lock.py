@@ -170,7 +170,7 @@ def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path):
         assert [r["step"] for r in _metrics(out)][-1] == done + 1
         assert not (out / LOCK_NAME).exists()
     finally:
-        for p in [first, *started]:  # each launcher leads its process group, which its ranks (orphaned or not) share
+        for p in [first, *started]:  # each launcher leads its process group; its ranks die with it (PDEATHSIG)
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -8,6 +8,7 @@ asks for it and no checkpoint is resumed, trains, and prints the closing summary
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -16,7 +17,7 @@ from laconic_nemo.app.task import Task
 from laconic_nemo.faults import heartbeat
 from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor
-from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
+from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
 
 
 def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
@@ -25,9 +26,10 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
 
     checkpoint_hook: writes and prunes an actor's own checkpoint files beside the trainer's step folders
         (the NeMo-Aligner actor's distributed checkpoint); None for actors whose state the trainer saves.
-    early_signal: a SIGUSR1 / SIGTERM received before the trainer's handler was installed.
+    early_signal: a SIGUSR1 / SIGTERM / SIGINT received before the trainer's handler was installed.
 
-    Returns 0 when the run finished, 3 when it stopped on a signal (after a checkpoint, or before the first step).
+    Returns 0 when the run finished (whatever signal arrives after its last checkpoint), 3 when it stopped on a
+    signal (after a checkpoint, or before the first step).
     """
     trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
                           checkpoint_hook=checkpoint_hook)
@@ -79,4 +81,13 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
                                        Path(cfg.run.output_dir) / "training_curves.png",
                                        title=f"{cfg.run.name}: shaper {cfg.laconic.shaper}, B={cfg.laconic.budget}")
             log(f"wrote {png}")
-    return 0 if status == "finished" else 3
+    if status != "finished":
+        return 3
+    # Finished: a stop signal from here on has nothing to stop. Ignore them, so that one arriving while the
+    # interpreter exits (Python then restores the default action, which kills) still leaves status 0.
+    for s in STOP_SIGNALS:
+        try:
+            signal.signal(s, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+    return 0

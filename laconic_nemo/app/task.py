@@ -79,17 +79,16 @@ def build_task(cfg: DictConfig) -> Task:
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    from laconic_nemo.data.datasets import check_prompt_lengths
     from laconic_nemo.launch_plan import _hf_config
 
     hf = _hf_config(str(cfg.model.path)) or {}
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
-    room = context - cfg.rollout.max_new_tokens
-    for item in items:
-        n = len(tok.encode(item.prompt, add_special_tokens=False))
-        if n > room:
-            raise ConfigError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
-                              f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} at most {room} fit the "
-                              f"context of {context} tokens")
+    try:  # the pre-flight checked this already (laconic_nemo.preflight); under torchrun / srun too
+        check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
+                             int(cfg.rollout.max_new_tokens))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
 
     def encode(text):

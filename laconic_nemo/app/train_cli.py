@@ -8,11 +8,13 @@ set) it trains directly. The recipe is loaded and validated before any process, 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from omegaconf import DictConfig, OmegaConf
@@ -55,8 +57,8 @@ def _split_nprocs(args) -> None:
         args.nprocs = int(value)
 
 
-# A SIGUSR1 / SIGTERM that arrives before the trainer installs its own handler (start-up, imports,
-# model construction) is recorded here and honoured as soon as the ranks can agree to stop.
+# A SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) that arrives before the trainer installs its own handler (start-up,
+# imports, model construction) is recorded here and honoured as soon as the ranks can agree to stop.
 _EARLY_SIGNAL: list[int] = []
 
 
@@ -64,7 +66,7 @@ def _install_early_stop() -> None:
     def handler(signum, _frame):
         _EARLY_SIGNAL.append(signum)
 
-    for s in (signal.SIGUSR1, signal.SIGTERM):
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         try:
             signal.signal(s, handler)
         except ValueError:  # not the main thread
@@ -107,8 +109,15 @@ def run(args) -> int:
               file=sys.stderr)
         return 3
     if launcher and nprocs > 1:
-        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=cfg.parallel.watchdog_s)
-    return train(cfg)
+        par = cfg.parallel
+        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=par.watchdog_s,
+                            step_factor=par.watchdog_step_factor, min_s=par.watchdog_min_s,
+                            output_dir=str(cfg.run.output_dir))
+    try:
+        return train(cfg)
+    except ConfigError as exc:  # a check only a rank can make (e.g. a prompt longer than the context): one line
+        print(f"laconic-nemo train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _how(code: int) -> str:
@@ -121,7 +130,47 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _stall_report(procs, heartbeat_dir: str, watchdog_s: float) -> str:
+# What a rank's last lines say when a write failed for want of space: the OS error, or torch's own words when
+# it wrote through a path (its stream reports only "basic_ios::clear" / "file write failed").
+_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+_TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWriter failed writing")
+
+
+def _cause(tail: list[str], output_dir: str | None) -> str:
+    """Why a rank failed, from its last lines: "No space left on device" when that is the cause, else ""."""
+    text = "\n".join(tail)
+    if any(n in text for n in _NO_SPACE) or any(n in text for n in _TORCH_WRITE_FAILED):
+        free = ""
+        if output_dir:
+            try:
+                free = f" ({shutil.disk_usage(_existing(output_dir)).free} bytes free in run.output_dir)"
+            except OSError:
+                pass
+        return "No space left on device" + free
+    return ""
+
+
+def _existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+def _watchdog_bound(beats: list[dict | None], watchdog_s: float, step_factor: float, min_s: float) -> tuple[float, str]:
+    """(seconds without progress that count as a hang, how that bound was set). Inside a warm-up or GRPO step of
+    every rank, once one has been measured (the heartbeats' ``step_s``): max(min_s, step_factor x the longest
+    step); anywhere else (start-up, the first step, checkpoints, export): watchdog_s."""
+    steps = [b.get("step_s") for b in beats if b]
+    if step_factor > 0 and len(steps) == len(beats) and all(s is not None for s in steps):
+        longest = max(steps)
+        bound = max(min_s, step_factor * longest)
+        return bound, (f"max(parallel.watchdog_min_s = {min_s:g}, parallel.watchdog_step_factor = {step_factor:g} "
+                       f"x the longest step so far, {longest:.2f} s)")
+    return watchdog_s, "parallel.watchdog_s"
+
+
+def _stall_report(procs, heartbeat_dir: str, bound: float, why: str) -> str:
     """Which rank stalled: a stopped process first, else the one whose last progress is oldest."""
     from laconic_nemo.faults import process_state, read_heartbeat
 
@@ -136,21 +185,61 @@ def _stall_report(procs, heartbeat_dir: str, watchdog_s: float) -> str:
                      f"rank {r} (pid {p.pid}): {where}, process {state or 'state unknown'}"))
     stalled = min(rows, key=lambda x: (not x[0], x[1]))
     others = "; ".join(x[3] for x in rows if x[2] != stalled[2])
-    return (f"laconic-nemo train: no rank made progress for {watchdog_s:.0f} s (parallel.watchdog_s): "
+    return (f"laconic-nemo train: no rank made progress for {bound:.0f} s ({why}): "
             f"stalled rank: {stalled[3]}" + (f"; {others}" if others else "") + ". Stopping every rank.")
 
 
-def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_s: float = 5.0) -> int:
+class _RankOutput:
+    """Copies one rank's stdout and stderr, line by line, to the launcher's own, and keeps its last lines
+    (the launcher's closing line quotes them)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, proc: subprocess.Popen):
+        self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        self.threads = [threading.Thread(target=self._copy, args=(pipe, sink), daemon=True)
+                        for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for t in self.threads:
+            t.start()
+
+    def _copy(self, pipe, sink) -> None:
+        for line in pipe:
+            with self._lock:
+                if line.strip():
+                    self.tail.append(line.rstrip("\n"))
+                if sink is not None:
+                    try:
+                        sink.write(line)
+                        sink.flush()
+                    except (OSError, ValueError):  # the launcher's output is gone (`| head`): keep draining the rank
+                        sink = None
+        pipe.close()
+
+    def join(self, timeout: float = 10.0) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+    def last_line(self) -> str:
+        return self.tail[-1] if self.tail else ""
+
+
+def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_s: float = 5.0,
+                 step_factor: float = 0.0, min_s: float = 60.0, output_dir: str | None = None) -> int:
     """Start ``nprocs`` ranks of this command on this machine (torchrun's environment variables) and
     wait for them.
 
-    * SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does on a cluster,
-      so a preempted local run checkpoints and stops too; a rank still starting up gets the signal as
-      soon as it can handle it (its first heartbeat).
+    * Each rank runs in its own process group, so a Ctrl-C at the terminal reaches the launcher alone.
+      SIGUSR1 / SIGTERM / SIGINT are forwarded to every rank, as Slurm's ``--signal`` does on a cluster,
+      so a preempted or interrupted local run checkpoints and stops too (status 3); a rank still starting
+      up gets the signal as soon as it can handle it (its first heartbeat).
+    * Every rank's output passes through the launcher (line by line), which keeps its last lines.
     * When a rank fails, the launcher says which and how (exit status or signal) and stops the others
       ``grace_s`` seconds later (they would wait on collectives).
-    * Watchdog: when no rank has made progress for ``watchdog_s`` seconds, it names the stalled rank
-      (a stopped process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
+    * Watchdog: when no rank has made progress for the bound of :func:`_watchdog_bound` (``watchdog_s``, or
+      inside a step ``max(min_s, step_factor x the longest step)``), it names the stalled rank (a stopped
+      process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
+    * Its last line names the first rank that failed (in the order the ranks ended), how (signal or exit
+      status) and why: "No space left on device" when that is the cause, else the rank's last line.
 
     Returns 0 when all ranks finished, 3 when they stopped on a signal, 4 on a hang, else the failed
     rank's exit status (1 when it died on a signal)."""
@@ -170,20 +259,45 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
     received[:0] = _EARLY_SIGNAL  # one that came before this handler replaced the start-up one
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
-    procs = []
+    procs, outputs = [], []
     for rank in range(nprocs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1",
+               HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1", "PYTHONUNBUFFERED": "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, errors="replace", process_group=0))
+        outputs.append(_RankOutput(procs[-1]))
+    ended: list[int] = []  # ranks in the order they ended (a thread per rank waits for it)
+    ended_lock = threading.Lock()
+
+    def wait_for(r: int, p: subprocess.Popen) -> None:
+        p.wait()
+        with ended_lock:
+            ended.append(r)
+
+    waiters = [threading.Thread(target=wait_for, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+    for t in waiters:
+        t.start()
     delivered = [0] * nprocs
-    failed_at, first_code, reported, stopped_by_us = None, None, set(), set()
+    failed_at, reported, stopped_by_us = None, set(), set()
     started = time.time()
 
     def say(msg):
         print(f"laconic-nemo train: {msg}", file=sys.stderr, flush=True)
+
+    def failed() -> list[int]:
+        with ended_lock:
+            order = list(ended)
+        return [r for r in order if procs[r].returncode not in (0, 3) and r not in stopped_by_us]
+
+    def finish() -> None:  # every rank has ended: its output is all copied before the launcher's last words
+        for t in waiters:
+            t.join(10.0)
+        for o in outputs:
+            o.join()
 
     try:
         while any(p.poll() is None for p in procs):
@@ -192,13 +306,12 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
                     for s in received[delivered[r]:]:
                         p.send_signal(s)
                     delivered[r] = len(received)
-            for r, p in enumerate(procs):
-                code = p.poll()
-                if code is not None and code not in (0, 3) and r not in reported and r not in stopped_by_us:
+            for r in failed():
+                if r not in reported:
                     reported.add(r)
-                    say(f"rank {r} (pid {p.pid}) {_how(code)}")
+                    say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
                     if failed_at is None:
-                        failed_at, first_code = time.monotonic(), code
+                        failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
                 for r, p in enumerate(procs):  # the survivors would wait on collectives forever
                     if p.poll() is None:
@@ -208,26 +321,40 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
             if failed_at is None:
                 beats = [read_heartbeat(heartbeat_dir, r) for r in range(nprocs)]
                 last = max([b["mtime"] for b in beats if b] + [started])
-                if time.time() - last > watchdog_s:
-                    say(_stall_report(procs, heartbeat_dir, watchdog_s)[len("laconic-nemo train: "):])
+                bound, why = _watchdog_bound(beats, watchdog_s, step_factor, min_s)
+                if time.time() - last > bound:
+                    report = _stall_report(procs, heartbeat_dir, bound, why)
                     for p in procs:
                         if p.poll() is None:
                             p.kill()
                     for p in procs:
                         p.wait()
+                    finish()
+                    say(report[len("laconic-nemo train: "):])
                     return 4
             time.sleep(0.2)
+        finish()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         shutil.rmtree(heartbeat_dir, ignore_errors=True)
-    codes = [p.returncode for p in procs]
-    if first_code is not None:
-        return first_code if first_code > 0 else 1
-    bad = [c for c in codes if c not in (0, 3)]
+    bad = failed()
+    for r in bad:  # ranks that ended between the last poll and the loop's end (every rank within one poll)
+        if r not in reported:
+            say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
     if bad:
-        return bad[0] if bad[0] > 0 else 1
-    return 3 if 3 in codes else 0
+        first = procs[bad[0]]
+        cause = _cause(list(outputs[bad[0]].tail), output_dir)
+        last = outputs[bad[0]].last_line()
+        say(f"failed: rank {bad[0]} (pid {first.pid}) {_how(first.returncode)}, the first rank to fail"
+            + (f": {cause}" if cause else "") + (f"; its last line: {last[-300:]!r}" if last else "; it printed nothing"))
+        return first.returncode if first.returncode > 0 else 1
+    codes = [p.returncode for p in procs]
+    if 3 in codes:
+        say(f"stopped on signal {received[0] if received else '(a rank received it directly)'}: every rank stopped "
+            "after its checkpoint (status 3); rerun the same command to continue")
+        return 3
+    return 0
 
 
 def train(cfg: DictConfig) -> int:

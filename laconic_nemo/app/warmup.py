@@ -84,17 +84,20 @@ def supervised_warmup(
     per = batch_size // actor.dp_size
     losses = []
     t0 = time.perf_counter()
+    longest = None  # the longest warm-up step so far (the launcher's watchdog scales with it)
     for step in range(start_step, num_steps):
         if should_stop is not None and should_stop():
             break
-        heartbeat("warmup", step + 1)
+        heartbeat("warmup", step + 1, step_s=longest)
         fault_point("warmup_step", step + 1)
+        t_step = time.perf_counter()
         rng = random.Random(seed * 7919 + step)
         examples = [make_example(rng) for _ in range(batch_size)]
         mine = pack(examples[actor.dp_rank * per : (actor.dp_rank + 1) * per], pad_id)
         n_tok = float(allreduce_sum([float(mine.response_mask.sum())], group=actor.dp_group)[0])
         out = actor.train_step(mine, make_sft_loss_fn(global_num_tokens=n_tok), micro_batch_size)
         losses.append(float(out.get("loss", float("nan"))))
+        longest = max(longest or 0.0, time.perf_counter() - t_step)
         if (step + 1) % log_every == 0 or step + 1 == num_steps:
             log(f"warmup {step + 1:>5}/{num_steps} | nll/token {losses[-1]:.4f} | {time.perf_counter() - t0:.1f}s")
     return losses
@@ -113,6 +116,8 @@ def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
     if cfg.grpo.micro_batch_tokens:  # packed micro-batches (another summation order); unpacked keys are unchanged
         key["micro_batch_tokens"] = cfg.grpo.micro_batch_tokens
     key["warmup"].pop("cache_dir", None)
+    for k in ("watchdog_step_factor", "watchdog_min_s"):  # the launcher's, not the policy's (and newer than the
+        key["parallel"].pop(k, None)                       # caches: keeping them out keeps the caches' names)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
     return root / f"policy_{digest}"
@@ -145,6 +150,7 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
         losses = supervised_warmup(actor, warmup_example, total, cfg.warmup.batch_size,
                                    cfg.grpo.micro_batch_size, cfg.run.seed, pad_id, log=log,
                                    start_step=start, should_stop=should_stop)
+        heartbeat("warmup_save", start + len(losses))  # saving is not a step: the watchdog's unscaled bound
         done_steps = start + len(losses)
         if done_steps < total:  # stopped by a signal: save what is done
             if rank == 0:

@@ -9,6 +9,7 @@ reward normalises it).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -81,27 +82,38 @@ def render(template: str, problem: str) -> str:
     return TEMPLATES[template].replace("{{}}", "{}").replace("{problem}", problem)
 
 
+def _utf8_text(path: Path) -> str:
+    """The text of ``path``; bytes that are not UTF-8 raise ValueError naming the line and column."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        head = raw[: exc.start]
+        line, column = head.count(b"\n") + 1, exc.start - (head.rfind(b"\n") + 1) + 1
+        raise ValueError(f"{path} line {line}: byte 0x{raw[exc.start]:02x} at column {column} is not UTF-8 text "
+                         "(save the file as UTF-8)") from None
+
+
 def read_rows(path: str | Path) -> list[tuple[str, Any]]:
     """(location, row) pairs of a .json (list of objects), .jsonl or .parquet file; the location names the
-    1-based line (.jsonl, blank lines counted) or row (.json, .parquet). Parse errors raise ValueError
-    naming the file and the line."""
+    1-based line (.jsonl, blank lines counted) or row (.json, .parquet). Parse errors and bytes that are not
+    UTF-8 raise ValueError naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     if path.suffix == ".jsonl":
         rows = []
-        with path.open() as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"line {n}", json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+        for n, line in enumerate(_utf8_text(path).split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {n}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         return rows
     if path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(_utf8_text(path))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         if not isinstance(rows, list):
@@ -115,7 +127,9 @@ def read_rows(path: str | Path) -> list[tuple[str, Any]]:
 
 
 def _scalar_answer(a: Any) -> bool:
-    return (isinstance(a, str) and bool(a.strip())) or (isinstance(a, (int, float)) and not isinstance(a, bool))
+    """A non-empty string or a finite number (json reads NaN and Infinity as floats: no answer matches them)."""
+    return (isinstance(a, str) and bool(a.strip())) or (
+        isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a))
 
 
 def check_row(row: Any, where: str) -> None:
@@ -130,15 +144,19 @@ def check_row(row: Any, where: str) -> None:
     if not isinstance(p, str) or not p.strip():
         raise ValueError(f"{where}: field 'problem' = {p!r:.60} is invalid: allowed a non-empty string")
     if not (_scalar_answer(a) or (isinstance(a, list) and a and all(_scalar_answer(x) for x in a))):
-        raise ValueError(f"{where}: field 'answer' = {a!r:.60} is invalid: allowed a non-empty string, a number "
-                         "or a non-empty list of those")
+        raise ValueError(f"{where}: field 'answer' = {a!r:.60} is invalid: allowed a non-empty string, a finite "
+                         "number or a non-empty list of those")
 
 
 def validate_data_files(files: Sequence[str | Path]) -> int:
-    """Read and check every row of ``files`` (see :func:`check_row`); returns the number of rows."""
+    """Read and check every row of ``files`` (see :func:`check_row`); a file without rows is refused too.
+    Returns the number of rows."""
     n = 0
     for f in files:
-        for loc, row in read_rows(f):
+        rows = read_rows(f)
+        if not rows:
+            raise ValueError(f"{f}: no rows (an empty file); every data file needs at least one problem")
+        for loc, row in rows:
             check_row(row, f"{f} {loc}")
             n += 1
     return n
@@ -150,7 +168,22 @@ def load_math_prompts(files: Sequence[str | Path], template: str) -> list[Prompt
         raise ValueError("data.train_files is empty: give at least one problem file")
     items = []
     for f in files:
-        for loc, row in read_rows(f):
+        rows = read_rows(f)
+        if not rows:
+            raise ValueError(f"{f}: no rows (an empty file); every data file needs at least one problem")
+        for loc, row in rows:
             check_row(row, f"{f} {loc}")
             items.append(PromptItem(render(template, row["problem"]), row["answer"], f"{f} {loc}"))
     return items
+
+
+def check_prompt_lengths(items: Sequence[PromptItem], count_tokens, context: int, max_new_tokens: int) -> None:
+    """Every rendered prompt leaves room for ``max_new_tokens`` in a ``context`` of tokens (``count_tokens``:
+    text -> number of tokens). Raises ValueError naming the file and line of the first that does not."""
+    room = context - max_new_tokens
+    for item in items:
+        n = count_tokens(item.prompt)
+        if n > room:
+            raise ValueError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
+                             f"rollout.max_new_tokens = {max_new_tokens} at most {room} fit the context of {context} "
+                             "tokens")

@@ -69,6 +69,14 @@ def check_args(args) -> str | None:
     if not os.path.isfile(os.path.join(model, "config.json")) and not run_like:
         return (f"--model {args.model!r} has no config.json: not a Hugging Face checkpoint folder, nor a training "
                 "run or checkpoint to export")
+    if not run_like:
+        from laconic_nemo.config import ConfigError
+        from laconic_nemo.launch_plan import _hf_config
+
+        try:
+            _hf_config(model)  # a config.json that is not a JSON object: named with its line
+        except ConfigError as exc:
+            return f"--model {args.model!r}: {exc}"
     try:
         parse_benchmarks(args.benchmarks)
         if args.choice_files is not None:
@@ -140,15 +148,66 @@ def _check_common(args) -> str | None:
         return f"--top-p = {args.top_p} is invalid: allowed in (0, 1]"
     if not 0 < args.gpu_memory_utilization <= 1:
         return f"--gpu-memory-utilization = {args.gpu_memory_utilization} is invalid: allowed in (0, 1]"
-    if args.base_summary is not None and not os.path.isfile(args.base_summary):
-        return f"--base-summary {args.base_summary!r} does not exist"
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        return f"--output-dir {args.output_dir!r} is a file, not a folder"
+    if args.base_summary is not None:
+        error = check_base_summary(args.base_summary)
+        if error:
+            return error
+    error = _check_output_dir(args.output_dir)
+    if error:
+        return error
     if args.backend in (None, "vllm") and args.benchmarks.strip() != "synthetic":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             return "--backend vllm needs the `vllm` package (GPU): install laconic-nemo[vllm], or use --backend transformers"
+    return None
+
+
+def check_base_summary(path: str) -> str | None:
+    """``--base-summary`` is a summary.json that `laconic-nemo eval` wrote (``{"benchmarks": {name: {"pass@1",
+    "tokens", ...}}, ...}``), checked before any model is loaded; the message names the file and the line."""
+    import json
+
+    if not os.path.isfile(path):
+        return f"--base-summary {path!r} does not exist"
+    try:
+        data = json.loads(open(path, "rb").read().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        from laconic_nemo.config import not_utf8
+
+        return f"--base-summary {path} {not_utf8(path, exc)}"
+    except ValueError as exc:
+        return (f"--base-summary {path} line {getattr(exc, 'lineno', '?')}: invalid JSON ({getattr(exc, 'msg', exc)}); "
+                "allowed the summary.json of an earlier `laconic-nemo eval`")
+    benchmarks = data.get("benchmarks") if isinstance(data, dict) else None
+    if not isinstance(benchmarks, dict) or not all(
+            isinstance(m, dict) and all(isinstance(m.get(k), (int, float)) for k in ("pass@1", "tokens"))
+            for m in benchmarks.values()):
+        return (f"--base-summary {path}: not a summary of `laconic-nemo eval` (allowed a JSON object whose "
+                "'benchmarks' maps each benchmark to its 'pass@1' and 'tokens')")
+    return None
+
+
+def _check_output_dir(path: str) -> str | None:
+    """``--output-dir`` is a writable folder or can be created, and its samples.jsonl (an earlier, interrupted
+    evaluation that this one continues) is UTF-8 text."""
+    from laconic_nemo.config import ConfigError
+    from laconic_nemo.preflight import check_writable_dir
+
+    try:
+        check_writable_dir(path, "--output-dir")
+    except ConfigError as exc:
+        return str(exc)
+    samples = os.path.join(path, "samples.jsonl")
+    if os.path.exists(samples):
+        if not os.path.isfile(samples):
+            return f"--output-dir {path!r}: {samples} is a folder; the evaluation writes its samples there"
+        raw = open(samples, "rb").read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            return f"--output-dir {path!r}: {samples} line {line} is not UTF-8 text"
     return None
 
 

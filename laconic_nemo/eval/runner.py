@@ -236,6 +236,8 @@ def evaluate(backend, benchmarks: list[str], output_dir: str, n_samples: int = 4
     summary = summarize(rows, benchmarks, n_samples)
     summary.update({"model": model_name, "n_samples": n_samples, "temperature": sampling.temperature,
                     "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "limit": limit, "seed": seed})
+    with open(os.path.join(output_dir, SUMMARY), "w") as f:  # this model's results first, whatever follows
+        json.dump(summary, f, indent=2)
     base = None
     if base_summary is not None:
         if isinstance(base_summary, dict):
@@ -244,8 +246,6 @@ def evaluate(backend, benchmarks: list[str], output_dir: str, n_samples: int = 4
             with open(base_summary) as f:
                 base = json.load(f)
         base_name = base.get("model", base_name)
-    with open(os.path.join(output_dir, SUMMARY), "w") as f:
-        json.dump(summary, f, indent=2)
     table = markdown_table(summary, model_name, base, base_name)
     with open(os.path.join(output_dir, TABLE), "w") as f:
         f.write(table)

@@ -1,10 +1,18 @@
 """Checkpoint files of a run: ``<output_dir>/checkpoints/step_XXXXXX`` folders and the ``latest`` pointer.
 
 A step folder holds the model + optimiser shard of each (TP, PP) coordinate (written by DP rank 0), every
-rank's RNG state, and ``trainer_state.json`` (step, shaper / lambda-controller state, layout, config). It is
-written into ``step_XXXXXX.tmp`` and renamed once complete, and ``latest`` is replaced atomically, so a crash
-never leaves a half-written checkpoint that resume would pick. Only the ``checkpoint.keep_last`` newest
-folders are kept.
+rank's RNG state, ``trainer_state.json`` (step, shaper / lambda-controller state, layout, config), a copy of the
+run's ``metrics.jsonl`` rows up to the step (a resume restores them when the run's own file lost them) and
+``manifest.json`` (every file's size and CRC-32). It is written into ``step_XXXXXX.tmp``: each rank fsyncs the
+files it wrote, rank 0 writes the manifest last and fsyncs it and the folder, renames the folder and fsyncs
+the parent; ``latest`` is replaced the same way. A crash or a power cut therefore never leaves a renamed
+folder whose files are not on disk, and resume never picks a half-written one. On resume every rank
+compares the CRC-32 of the files it reads with the manifest (:meth:`CheckpointManager.verify`); a damaged
+checkpoint is skipped for the previous complete one (:func:`laconic_nemo.grpo.resume.choose_checkpoint`).
+Only the ``checkpoint.keep_last`` newest folders are kept.
+
+A write that fails (a full disk: torch would only say "basic_ios::clear: iostream error") raises
+:class:`CheckpointWriteError` naming the file and the operating system's reason ("No space left on device").
 
 An actor whose state lives in files of its own (the NeMo-Aligner actor's distributed checkpoint) passes a
 :class:`CheckpointHook`: it writes them before the step folder that refers to them and prunes them with it.
@@ -12,10 +20,12 @@ An actor whose state lives in files of its own (the NeMo-Aligner actor's distrib
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -26,6 +36,87 @@ from omegaconf import DictConfig
 
 from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.interfaces import PolicyActor
+from laconic_nemo.grpo.resume import MANIFEST, METRICS_COPY, read_manifest, read_metrics
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint file could not be written; the message names the file and the reason."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file does not match its manifest (size or CRC-32); the message names the file."""
+
+
+class _Summing:
+    """A write-only file wrapper that counts the bytes written and their CRC-32 (torch.save only writes)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder ``path`` (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, obj: Any = None, data: bytes | None = None) -> dict[str, int]:
+    """Write ``obj`` with torch.save (or the bytes ``data``) to ``path``, flush and fsync it. Returns
+    ``{"size", "crc32"}``. An OS error (ENOSPC, EDQUOT, EIO) raises CheckpointWriteError naming the file."""
+    try:
+        with open(path, "wb") as f:
+            w = _Summing(f)
+            if data is not None:
+                w.write(data)
+            else:
+                torch.save(obj, w)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as caught:
+        exc = _os_error(caught)
+        if exc is None:  # a torch error that is not the file system's
+            raise
+        reason = exc.strerror or os.strerror(exc.errno or errno.EIO)
+        free = ""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                free = f"; {shutil.disk_usage(path.parent).free} bytes free there"
+            except OSError:
+                pass
+        raise CheckpointWriteError(exc.errno, f"cannot write {path}: {reason}{free}") from exc
+    return {"size": w.size, "crc32": w.crc}
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind ``exc``: itself, or the one torch's writer was handling when it raised its own
+    RuntimeError ("unexpected pos ...")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 class CheckpointHook(Protocol):
@@ -51,14 +142,15 @@ def barrier() -> None:
         dist.barrier()
 
 
-def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
-    """The complete checkpoint to resume (``checkpoint.resume`` auto / never / a folder, see
-    :func:`laconic_nemo.grpo.resume.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible."""
+def find_resume_checkpoint(cfg: DictConfig, notes: list[str] | None = None) -> Path | None:
+    """The complete, intact checkpoint to resume (``checkpoint.resume`` auto / never / a folder, see
+    :func:`laconic_nemo.grpo.resume.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible.
+    ``notes`` receives a line per damaged checkpoint skipped."""
     from laconic_nemo.config import ConfigError
     from laconic_nemo.grpo.resume import resume_source
 
     try:
-        return resume_source(cfg)
+        return resume_source(cfg, notes)
     except ConfigError as exc:
         raise FileNotFoundError(str(exc)) from exc
 
@@ -85,15 +177,17 @@ class CheckpointManager:
         pp = getattr(actor, "pp_rank", 0)
         return f"model_tp{tp:02d}_pp{pp:02d}.pt"
 
-    def save(self, step: int, actor: PolicyActor, trainer_state: Callable[[], dict[str, Any]]) -> Path:
+    def save(self, step: int, actor: PolicyActor, trainer_state: Callable[[], dict[str, Any]],
+             metrics_file: Path | None = None) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps); collective.
 
         trainer_state: builds ``trainer_state.json``'s content (called once, on the ranks that need it: rank 0,
-        and every rank when a hook writes it beside the actor's files)."""
+        and every rank when a hook writes it beside the actor's files).
+        metrics_file: the run's ``metrics.jsonl``; rank 0 keeps a copy of its rows up to ``step`` in the folder."""
+        heartbeat("checkpoint", step)  # not a step phase: the watchdog's unscaled bound (parallel.watchdog_s)
         state = trainer_state() if self.is_logger or self.hook is not None else None
         if self.hook is not None:
             self.hook.save(self.root, step, state)
-        heartbeat("checkpoint", step)
         fault_point("checkpoint", step)
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -102,28 +196,41 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         barrier()
+        files: dict[str, dict[str, int]] = {}
         if actor.dp_rank == 0:
-            torch.save(actor.state_dict_for_checkpoint(), tmp / self.shard_name(actor))
-        torch.save(
-            {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            },
-            tmp / f"rng_rank{self.rank:05d}.pt",
-        )
+            name = self.shard_name(actor)
+            files[name] = write_durable(tmp / name, actor.state_dict_for_checkpoint())
+        name = f"rng_rank{self.rank:05d}.pt"
+        files[name] = write_durable(tmp / name, {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        })
         if self.is_logger:
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            files["trainer_state.json"] = write_durable(tmp / "trainer_state.json",
+                                                        data=json.dumps(state, indent=1).encode())
+            if metrics_file is not None:
+                rows = [r for r in read_metrics(metrics_file)[0] if r["step"] <= step]
+                files[METRICS_COPY] = write_durable(tmp / METRICS_COPY,
+                                                    data="".join(json.dumps(r) + "\n" for r in rows).encode())
         fault_point("checkpoint_written", step)
-        barrier()
+        every = [files]
+        if dist_ready():  # every rank's file sizes and checksums to rank 0 (also the barrier before the rename)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, files)
         if self.is_logger:
+            manifest = {"step": step, "files": {k: v for part in every for k, v in part.items()}}
+            write_durable(tmp / MANIFEST, data=json.dumps(manifest, indent=1, sort_keys=True).encode())
+            fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fsync_dir(self.root)
             latest_tmp = self.root / "latest.tmp"
-            latest_tmp.write_text(final.name)
+            write_durable(latest_tmp, data=final.name.encode())
             os.replace(latest_tmp, self.root / "latest")
+            fsync_dir(self.root)
             self.prune()
         barrier()
         return final
@@ -135,6 +242,32 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         if self.hook is not None:
             self.hook.prune(self.root, {p.name for p in self.root.glob("step_*") if not p.name.endswith(".tmp")})
+
+    def own_files(self, actor: PolicyActor) -> list[str]:
+        """The files of a step folder this rank reads on resume."""
+        return [self.shard_name(actor), f"rng_rank{self.rank:05d}.pt", "trainer_state.json"]
+
+    def verify(self, path: Path, actor: PolicyActor) -> str | None:
+        """Why the files this rank reads from ``path`` do not match its manifest (size or CRC-32), or None
+        (also None for a checkpoint written before manifests existed)."""
+        try:
+            files = read_manifest(path)
+        except ValueError as exc:
+            return str(exc)
+        if files is None:
+            return None
+        for name in self.own_files(actor):
+            meta = files.get(name)
+            if meta is None:
+                return f"{path / name} is not listed in {path / MANIFEST}"
+            try:
+                size, crc = (path / name).stat().st_size, file_crc32(path / name)
+            except OSError as exc:
+                return f"{path / name}: {exc.strerror}"
+            if size != meta["size"] or crc != meta["crc32"]:
+                return (f"{path / name} does not match {MANIFEST} (size {size} vs {meta['size']}, CRC-32 "
+                        f"{crc:08x} vs {int(meta['crc32']):08x})")
+        return None
 
     def load(self, path: Path, actor: PolicyActor) -> None:
         """Restore this rank's model shard and RNG state from the step folder ``path``."""

@@ -55,18 +55,40 @@ class MetricsWriter:
         with (folder / f"rank{self.rank:05d}.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def truncate(self, upto_step: int):
-        """Keep the rows of the steps the resumed checkpoint holds; drop a torn last row (a crash while it
-        was written); refuse any other corrupt line, naming the file and the line."""
-        from laconic_nemo.grpo.resume import read_metrics
+    def truncate(self, upto_step: int, checkpoint: Path | None = None):
+        """Keep the rows of the steps the resumed ``checkpoint`` holds; drop a torn last row (a crash while it
+        was written); refuse any other corrupt line, naming the file and the line. When the file lacks a row
+        of steps 1..``upto_step`` (removed, or cut short), the rows come back from the checkpoint's copy."""
+        from laconic_nemo.grpo.resume import METRICS_COPY, ResumeError, missing_steps, read_metrics
 
         path = self.out / "metrics.jsonl"
-        if not self.is_logger or not path.is_file():
+        if not self.is_logger or (not path.is_file() and not upto_step):
             return
         rows, torn = read_metrics(path)
         if torn:
             print(f"{path}: dropped a torn last line (the run died while writing it)", flush=True)
+        lost = missing_steps(rows, upto_step)
+        if lost:
+            copy = None if checkpoint is None else Path(checkpoint) / METRICS_COPY
+            if copy is None or not copy.is_file():
+                raise ResumeError(f"{path} lacks the rows of steps {_span(lost)} of the checkpoint it resumes, and "
+                                  "the checkpoint holds no copy of them: restore the file")
+            rows = read_metrics(copy)[0]
+            print(f"{path}: the rows of step{'s' if len(lost) > 1 else ''} {_span(lost)} were missing; restored the "
+                  f"rows of steps 1-{upto_step} from {copy}", flush=True)
         keep = [json.dumps(r) for r in rows if r["step"] <= upto_step]
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
+
+
+def _span(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    parts, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            parts.append(f"{start}" if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(parts)

@@ -4,8 +4,13 @@ Used by the launcher's pre-flight checks (before any rank starts) and by the tra
 rank, also under torchrun / srun), so both decide alike.
 
 * A checkpoint counts only once it is complete: a folder ``step_NNNNNN`` (renamed from its ``.tmp``
-  after every rank wrote its files) holding ``trainer_state.json``. ``latest`` is a hint; a
+  after every rank wrote and fsynced its files) holding ``trainer_state.json``. ``latest`` is a hint; a
   ``latest`` naming a missing folder is ignored.
+* A complete checkpoint is also intact: every file its ``manifest.json`` lists (written last, before
+  the rename) has the listed size (:func:`damage`; the ranks also compare each file's CRC-32 when they
+  load it). A damaged one (a file cut short or emptied, as a power cut can leave one on a file system
+  that lost unsynced data) is skipped for the newest intact one before it, and the skip is reported.
+  Checkpoints written before manifests existed count as intact unless a file of theirs is empty.
 * ``metrics.jsonl`` has one JSON object per line. A last line without its newline that does not
   parse is a row torn by a crash: it is dropped (the step is recomputed after resume). Any other
   line that does not parse is corruption, refused with the file and the 1-based line named.
@@ -24,13 +29,16 @@ from typing import Any
 from omegaconf import DictConfig
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MANIFEST = "manifest.json"
+METRICS_COPY = "metrics.jsonl"  # the run's metrics rows up to the checkpoint's step, kept in the step folder
 
 # Keys that may change between a checkpoint and its resumption without changing what is trained:
 # run length, logging, checkpoint bookkeeping, the warm-up (already done when a checkpoint exists),
 # timeouts, grading workers. Exact keys, or prefixes ending in ".".
 ALWAYS_ALLOWED = (
     "run.num_steps", "run.log_every", "run.name", "run.output_dir", "logging.", "checkpoint.", "warmup.",
-    "reward.num_workers", "parallel.collective_timeout_s", "parallel.watchdog_s",
+    "reward.num_workers", "parallel.collective_timeout_s", "parallel.watchdog_s", "parallel.watchdog_step_factor",
+    "parallel.watchdog_min_s",
 )
 # Keys derived from the task at start-up rather than set by the user.
 DERIVED = ("model.vocab_size",)
@@ -49,17 +57,75 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def find_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint ``resume: auto`` continues from: ``latest`` when it names a complete one, else the
-    newest complete one, else None. Incomplete ``.tmp`` folders are never chosen."""
+def read_manifest(ckpt: str | Path) -> dict | None:
+    """``{file name: {"size", "crc32"}}`` of ``ckpt``'s manifest; None when it has none (an older checkpoint).
+    Raises ResumeError when the manifest itself is unreadable."""
+    path = Path(ckpt) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_bytes().decode("utf-8"))["files"]
+        if not isinstance(files, dict):
+            raise ValueError("'files' is not a mapping")
+        return files
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(f"{path}: unreadable manifest ({exc})") from None
+
+
+def damage(ckpt: str | Path) -> str | None:
+    """Why the complete checkpoint ``ckpt`` is damaged (the file and what is wrong), or None when every file
+    of its manifest is present with its size (without a manifest: when no file of it is empty)."""
+    ckpt = Path(ckpt)
+    try:
+        files = read_manifest(ckpt)
+    except ResumeError as exc:
+        return str(exc)
+    if files is None:
+        empty = sorted(p.name for p in ckpt.iterdir() if p.is_file() and p.stat().st_size == 0)
+        return f"{ckpt / empty[0]} is empty" if empty else None
+    for name, meta in sorted(files.items()):
+        path = ckpt / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{path} is missing (listed in {MANIFEST})"
+        if size != int(meta["size"]):
+            return f"{path} has {size} bytes, {MANIFEST} says {int(meta['size'])}"
+    return None
+
+
+def choose_checkpoint(root: str | Path, exclude: tuple[Path, ...] = ()) -> tuple[Path | None, list[str]]:
+    """(the checkpoint ``resume: auto`` continues from, one line per damaged checkpoint skipped on the way).
+
+    ``latest`` when it names a complete, intact checkpoint, else the newest complete and intact one, else
+    None. Incomplete ``.tmp`` folders are never chosen; ``exclude``: checkpoints found damaged otherwise
+    (a CRC-32 mismatch seen by a rank)."""
     root = Path(root)
+    notes: list[str] = []
+    candidates = complete_checkpoints(root)
     latest = root / "latest"
     if latest.is_file():
-        name = latest.read_text().strip()
-        if STEP_DIR.match(name) and (root / name / "trainer_state.json").is_file():
-            return root / name
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
+        name = latest.read_bytes().decode("utf-8", "replace").strip()
+        if STEP_DIR.match(name) and (root / name) in candidates:
+            candidates.remove(root / name)
+            candidates.append(root / name)  # tried first
+    for ckpt in reversed(candidates):
+        if ckpt in exclude:
+            continue
+        why = damage(ckpt)
+        if why is None:
+            if notes:
+                notes.append(f"resuming from the previous complete checkpoint {ckpt}")
+            return ckpt, notes
+        notes.append(f"checkpoint {ckpt} is damaged and skipped: {why}")
+    if notes:
+        notes.append("no intact checkpoint is left: the run starts from step 1")
+    return None, notes
+
+
+def find_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``resume: auto`` continues from (:func:`choose_checkpoint`, without its notes)."""
+    return choose_checkpoint(root)[0]
 
 
 def read_trainer_state(ckpt: str | Path) -> dict:
@@ -75,11 +141,21 @@ def read_metrics(path: str | Path) -> tuple[list[dict], bool]:
     """(rows, torn): the rows of ``metrics.jsonl`` and whether a torn last line was left out.
 
     Raises ResumeError naming the file and the 1-based line for any other line that is not a JSON
-    object with an integer ``step``."""
+    object with an integer ``step`` (or that is not UTF-8 text), and for a ``metrics.jsonl`` that is not a file."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ResumeError(f"{path} is a folder, not a file: the run writes its metrics rows there; move it aside")
     if not path.is_file():
         return [], False
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        if b"\n" in raw[exc.start:]:
+            raise ResumeError(f"{path} line {line}: corrupt metrics row (byte 0x{raw[exc.start]:02x} is not UTF-8); "
+                              "a complete file has one JSON object per line - repair or remove that line") from None
+        text = raw[: raw.rfind(b"\n") + 1].decode("utf-8") + "\ufffd"  # a torn last line, dropped below
     lines = text.split("\n")
     rows, torn = [], False
     for i, line in enumerate(lines, start=1):
@@ -144,8 +220,15 @@ def _show(v: Any) -> str:
     return "(absent)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) else json.dumps(v)
 
 
-def resume_source(cfg: DictConfig) -> Path | None:
-    """The checkpoint this run resumes from (None: a fresh start); ConfigError when that is not possible."""
+def missing_steps(rows: list[dict], step: int) -> list[int]:
+    """The steps 1..``step`` that have no row in ``rows``."""
+    have = {r["step"] for r in rows}
+    return [s for s in range(1, int(step) + 1) if s not in have]
+
+
+def resume_source(cfg: DictConfig, notes: list[str] | None = None) -> Path | None:
+    """The checkpoint this run resumes from (None: a fresh start); ConfigError when that is not possible.
+    ``notes`` receives a line for each damaged checkpoint skipped (:func:`choose_checkpoint`)."""
     from laconic_nemo.config import ConfigError
 
     out = Path(str(cfg.run.output_dir))
@@ -160,9 +243,16 @@ def resume_source(cfg: DictConfig) -> Path | None:
                 "run.output_dir, move the old run aside, or resume it with checkpoint.resume=auto")
         return None
     if mode == "auto":
-        return find_checkpoint(out / "checkpoints")
+        found, skipped = choose_checkpoint(out / "checkpoints")
+        if notes is not None:
+            notes += skipped
+        return found
     p = Path(mode)
     if not (p / "trainer_state.json").is_file() or p.name.endswith(".tmp"):
         raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: allowed auto, never or a complete checkpoint "
                           "folder (step_NNNNNN holding trainer_state.json)")
+    why = damage(p)
+    if why is not None:
+        raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: the checkpoint is damaged ({why}); name an "
+                          "intact one, or auto")
     return p

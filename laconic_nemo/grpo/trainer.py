@@ -16,8 +16,9 @@ One step (every rank runs the same code, SPMD):
 8. metrics (one progress line, one JSON object per step in ``metrics.jsonl``), then the checkpoint.
 
 Checkpoint files are :mod:`laconic_nemo.grpo.checkpoint`'s, metric files :mod:`laconic_nemo.grpo.metrics`'s.
-SIGUSR1 / SIGTERM make the loop checkpoint at the end of the current step and stop (the launch scripts
-requeue the job, which resumes).
+SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) make the loop checkpoint at the end of the current step and stop (the
+launch scripts requeue the job, which resumes); a signal during the last step changes nothing: the run
+finishes (its last checkpoint is the end of the run, status 0, never a requeue).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from laconic_nemo.grpo.metrics import MetricsWriter
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
 
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
@@ -93,10 +95,11 @@ class Rollout:
 class Timer:
     seconds: dict[str, float]
     step: int = 0  # 1-based step being timed (heartbeats and fault points name it)
+    step_s: float | None = None  # the longest step of this process so far (the launcher's watchdog scales with it)
 
     @contextmanager
     def __call__(self, phase: str):
-        heartbeat(phase, self.step)
+        heartbeat(phase, self.step, step_s=self.step_s)
         fault_point(phase, self.step)
         t0 = time.perf_counter()
         try:
@@ -153,6 +156,7 @@ class GRPOTrainer:
         self.step = 0
         self._stop_signal: int | None = None
         self.history: list[dict] = []
+        self.longest_step_s: float | None = None  # wall time of the longest step of this process
 
     @property
     def lam(self) -> float:
@@ -164,7 +168,7 @@ class GRPOTrainer:
         def handler(signum, _frame):
             self._stop_signal = signum
 
-        for s in (signal.SIGUSR1, signal.SIGTERM):
+        for s in STOP_SIGNALS:
             try:
                 signal.signal(s, handler)
             except ValueError:  # not the main thread (e.g. under some test runners)
@@ -225,7 +229,7 @@ class GRPOTrainer:
         return payload[0]
 
     def train_step(self, step: int) -> dict[str, Any]:
-        timer = Timer({}, step=step + 1)
+        timer = Timer({}, step=step + 1, step_s=self.longest_step_s)
         t_start = time.perf_counter()
         rollout = self._rollout(step, timer)
         gen, task_reward, targets = rollout.gen, rollout.task_reward, rollout.targets
@@ -321,11 +325,40 @@ class GRPOTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
-        return self.checkpoints.save(step, self.actor, lambda: self._trainer_state(step))
+        return self.checkpoints.save(step, self.actor, lambda: self._trainer_state(step),
+                                     metrics_file=self.out / "metrics.jsonl")
 
-    def find_resume_checkpoint(self) -> Path | None:
-        """The complete checkpoint to resume (:mod:`laconic_nemo.grpo.resume`); never a ``.tmp`` folder."""
-        return find_resume_checkpoint(self.cfg)
+    def find_resume_checkpoint(self, notes: list[str] | None = None) -> Path | None:
+        """The complete, intact checkpoint to resume (:mod:`laconic_nemo.grpo.resume`); never a ``.tmp`` folder.
+        ``notes`` receives a line per damaged checkpoint skipped."""
+        return find_resume_checkpoint(self.cfg, notes)
+
+    def _verified_resume_checkpoint(self) -> Path | None:
+        """The checkpoint to resume whose files match their manifest on EVERY rank (each rank checks the CRC-32
+        of the files it reads); a damaged one is named and skipped for the previous complete one."""
+        from laconic_nemo.grpo.resume import choose_checkpoint
+
+        notes: list[str] = []
+        ckpt = self.find_resume_checkpoint(notes)
+        excluded: tuple[Path, ...] = ()
+        while ckpt is not None:
+            why = self.checkpoints.verify(ckpt, self.actor)
+            if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
+                break
+            if str(self.cfg.checkpoint.resume) != "auto" or self.checkpoints.hook is not None:
+                # an explicit folder; or an actor that restored its own files of this step already (NeMo)
+                raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
+                                 "to resume from the previous one")
+            notes = [*notes, f"checkpoint {ckpt} is damaged and skipped: {why or 'a file of another rank'}"]
+            excluded += (ckpt,)
+            ckpt, more = choose_checkpoint(ckpt.parent, exclude=excluded)
+            notes += [n for n in more if "is damaged" in n]
+            notes.append(f"resuming from the previous complete checkpoint {ckpt}" if ckpt is not None else
+                         "no intact checkpoint is left: the run starts from step 1")
+        if self.is_logger:
+            for note in notes:
+                print(note, flush=True)
+        return ckpt
 
     def load_checkpoint(self, path: Path) -> int:
         from laconic_nemo.config import base_config_path
@@ -353,19 +386,21 @@ class GRPOTrainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
         barrier()
-        resume = self.find_resume_checkpoint()
+        resume = self._verified_resume_checkpoint()
         if resume is not None:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:
                 print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
-        self.metrics.truncate(self.step)
+        self.metrics.truncate(self.step, resume)
         self._install_signal_handlers()
         every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
             m = self.train_step(self.step)
             self.step += 1
-            stop = self._should_stop()
+            self.longest_step_s = max(self.longest_step_s or 0.0, float(m["step_seconds"]))
+            # a signal during the last step changes nothing: the run is over once its checkpoint is written
+            stop = self._should_stop() and self.step < self.num_steps
             # The row goes to metrics.jsonl BEFORE the step's checkpoint: a crash in between then costs a
             # recomputed step (resume truncates the rows past the checkpoint), never a lost row. Hence
             # time/checkpoint is the checkpoint written after the previous step.
@@ -386,6 +421,9 @@ class GRPOTrainer:
                     print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
                           file=sys.stderr, flush=True)
                 return "preempted"
+        if self._stop_signal is not None and self.is_logger:
+            print(f"signal {self._stop_signal} arrived during the last step: the run is finished, nothing to resume",
+                  file=sys.stderr, flush=True)
         return "finished"
 
 

@@ -181,8 +181,8 @@ def test_watchdog_names_the_stopped_rank_within_its_bound(chain):
     run = chain[5]
     assert run.rc == 4, run.out[-3000:]
     assert "stalled rank: rank 1" in run.out and "stopped (SIGSTOP)" in run.out, run.out[-3000:]
-    assert "parallel.watchdog_s" in run.out
-    assert run.seconds < 30 + 90  # start-up + the bound, far from torch's 30 minutes
+    # the configured bound (30 s) fired; without it the run would have hit launch()'s hang guard
+    assert "no rank made progress for 30 s (parallel.watchdog_s)" in run.out, run.out[-3000:]
 
 
 def test_final_rerun_finishes_and_summary_covers_every_step(chain):

@@ -89,3 +89,12 @@ def test_checkpoint_round_trip_is_bitwise(results, layout):
     for r in results[layout]:
         assert r["ckpt_step_changed_weights"]
         assert r["ckpt_bitwise"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_actor_calls_no_deprecated_torch_api(results, layout):
+    """Building, stepping and sampling the actor raises no FutureWarning (printed to every user by default): e.g.
+    the TP logits gather goes through torch.distributed.all_gather_single, not the deprecated
+    all_gather_into_tensor of megatron's gather_from_tensor_model_parallel_region."""
+    for r in results[layout]:
+        assert [w for w in r["deprecations"] if w.startswith("FutureWarning")] == []

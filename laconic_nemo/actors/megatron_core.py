@@ -53,6 +53,21 @@ def resolve_choice(key: str, value: str, choices: tuple[str, ...], auto: str) ->
     return auto if value == "auto" else value
 
 
+def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
+    """The TP shards of ``t`` side by side: [b, n] on each of the tp ranks of ``group`` -> [b, tp * n] (rank r's
+    shard in columns r*n..(r+1)*n, as megatron's ``gather_from_tensor_model_parallel_region``), through torch's
+    ``all_gather_single`` (torch >= 2.13 deprecates the ``all_gather_into_tensor`` that megatron-core 0.11 calls;
+    older torch has only that). A copy of bytes: the result is bit for bit megatron's."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
+    return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+
+
 def pad_vocab_size(vocab_size: int, tp: int) -> int:
     """Smallest multiple of ``tp`` that is >= vocab_size."""
     return ((vocab_size + tp - 1) // tp) * tp
@@ -628,7 +643,7 @@ class MegatronCoreActor:
         :mod:`laconic_nemo.rollout.megatron_sampler` (``rollout.sampler``: the host float64 loop or the
         on-device loop with finished rows compacted out of the batch and the KV cache). Returns CPU tensors,
         identical on every TP/PP rank."""
-        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core import parallel_state
         from megatron.core.inference_params import InferenceParams
 
         if self.rollout_engine is not None:
@@ -654,7 +669,7 @@ class MegatronCoreActor:
 
                 def loss_func(output):
                     last = output[:, -1, :].float()
-                    full = tensor_parallel.gather_from_tensor_model_parallel_region(last)
+                    full = gather_last_dim(last, parallel_state.get_tensor_model_parallel_group())
                     box.append(full[:, : self.vocab_size])
                     return last.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
 

@@ -177,6 +177,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
                HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # megatron's recommended setting for its TP communication (launch/submit.sh sets it on the cluster);
+        # without it every TP > 1 rank prints a UserWarning asking for it
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env))
     delivered = [0] * nprocs
     failed_at, first_code, reported, stopped_by_us = None, None, set(), set()

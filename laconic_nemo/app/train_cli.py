@@ -73,6 +73,7 @@ def _install_early_stop() -> None:
 
 def run(args) -> int:
     from laconic_nemo.faults import fault_point, heartbeat
+    from laconic_nemo.grpo.metrics import check_sinks
     from laconic_nemo.preflight import PREFLIGHT_DONE_ENV, preflight_train
 
     launcher = "WORLD_SIZE" not in os.environ
@@ -91,6 +92,7 @@ def run(args) -> int:
                 raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
         if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
             preflight_train(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            check_sinks(cfg)  # a dashboard the recipe asks for, without its package
     except (ConfigError, FileNotFoundError) as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
@@ -242,9 +244,9 @@ def train(cfg: DictConfig) -> int:
     from laconic_nemo.app.run import run as run_grpo
     from laconic_nemo.app.task import build_task
     from laconic_nemo.faults import heartbeat
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.megatron_env import cpu_threads, destroy_distributed, init_distributed
 
-    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    torch.set_num_threads(cpu_threads())
     info = init_distributed(cfg.parallel.tensor_model_parallel_size,
                             cfg.parallel.pipeline_model_parallel_size,
                             backend=str(cfg.parallel.backend), seed=cfg.run.seed,

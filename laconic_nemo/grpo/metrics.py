@@ -84,6 +84,10 @@ class MetricSink(Protocol):
     def close(self) -> None:
         ...
 
+    def describe(self) -> str:
+        """What and where, for the start-up line."""
+        ...
+
 
 def purge_step(resume_step: int) -> int:
     """The ``purge_step`` of a TensorBoard writer that continues after step ``resume_step`` (0: a fresh run).
@@ -106,6 +110,9 @@ class TensorBoardSink:
 
         self.log_dir = Path(log_dir)
         self.writer = SummaryWriter(str(self.log_dir), purge_step=purge_step(resume_step))
+
+    def describe(self) -> str:
+        return f"TensorBoard {self.log_dir} (tensorboard --logdir {self.log_dir})"
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         for k, v in scalars.items():
@@ -158,6 +165,9 @@ class WandbSink:
         self.run = wandb.init(project=project, name=name, entity=entity, mode=mode, dir=str(out),
                               id=self.steps.run_id, resume="allow", config=config)
 
+    def describe(self) -> str:
+        return f"W&B run {self.steps.run_id} ({self.run.settings.mode}, files in {self.steps.folder})"
+
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         if self.steps.take(step):
             self.run.log(dict(scalars), step=step)
@@ -176,6 +186,10 @@ class LightningLoggerSink:
 
     def __init__(self, logger, wandb_steps: WandbSteps | None = None):
         self.logger, self.wandb_steps = logger, wandb_steps
+
+    def describe(self) -> str:
+        where = getattr(self.logger, "log_dir", None) or getattr(self.logger, "save_dir", None)
+        return f"NeMo exp_manager {type(self.logger).__name__} ({where})"
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         if self.wandb_steps is not None and not self.wandb_steps.take(step):
@@ -291,6 +305,8 @@ class MetricsWriter:
         self.clock = ProgressClock(resume_step, self.num_steps)
         if self.is_logger:
             self.sinks = list(sinks or [])
+            if self.sinks:
+                print("dashboards: " + "; ".join(sink.describe() for sink in self.sinks), flush=True)
 
     def write(self, m: dict[str, Any]):
         """Append the step's row to ``metrics.jsonl``, send it to the dashboards and print the progress line

@@ -52,8 +52,10 @@ def say(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ provenance
 def code_digest() -> str:
-    """sha256 (12 hex digits) of the package's code (syntax trees: docstrings and comments do not count) and of the
-    recipes' text."""
+    """sha256 (12 hex digits) of the package's code and recipes as they run: the syntax trees of its modules and the
+    parsed recipes (docstrings and comments do not count)."""
+    import yaml
+
     from laconic_nemo.app.warmup import normalized_source
 
     h = hashlib.sha256()
@@ -61,7 +63,7 @@ def code_digest() -> str:
     for f in sorted(pkg.rglob("*.py")):
         h.update(str(f.relative_to(pkg)).encode() + b"\0" + normalized_source(f.read_text()).encode())
     for f in sorted((pkg / "recipes").glob("*.yaml")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        h.update(f.name.encode() + b"\0" + json.dumps(yaml.safe_load(f.read_text()), sort_keys=True).encode())
     return h.hexdigest()[:12]
 
 
@@ -123,6 +125,7 @@ def train(name: str, recipe: str, overrides: list[str], results: Path, k: int, n
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             log.write(line)
+            log.flush()
             if line.startswith(("warmup ", "warm-up:", "step ", "resumed from", "laconic-nemo train:")):
                 print(f"  {name} | {line.rstrip()}", flush=True)
         rc = proc.wait()

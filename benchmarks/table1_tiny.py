@@ -91,8 +91,9 @@ def main(argv=None) -> int:
         run_config,
         warmup_policy_dir,
     )
+    from laconic_nemo.megatron_env import cpu_threads
 
-    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
     results = Path(args.results).resolve()
     cache_root = results / "warmup_cache"
     out = Path(args.out).resolve() if args.out else results / "table1_tiny"

@@ -402,6 +402,23 @@ class LoggingConfig:
     plot: bool = opt(True, "write ${run.output_dir}/training_curves.png at the end")
     rank_trace: bool = opt(False, """every rank appends lambda (exact hex float), global mean length and its
 DP rank to ${run.output_dir}/rank_trace/rank<r>.jsonl (consistency checks)""")
+    tensorboard: Optional[bool] = opt(None, """null: on when the tensorboard package is installed |
+true: required (refused at start without it) | false: off""", above="""Live dashboards (laconic_nemo/grpo/metrics.py), rank 0: every number of a metrics.jsonl row (lambda,
+lengths, budget shares, rewards, pass rates, timings) at the row's step; a resumed run continues the same
+curves without duplicate steps. `tensorboard --logdir <output_dir>/tensorboard` opens the dashboard.
+Defaults as NeMo's exp_manager (framework default): TensorBoard on, W&B off.""")
+    tensorboard_dir: Optional[str] = opt(None, """event files; null: ${run.output_dir}/tensorboard
+(NeMo-Aligner actor: ${run.output_dir}/nemo_logs/tensorboard, in NeMo's exp_manager log dir)""")
+    wandb: bool = opt(False, "a Weights & Biases run (needs the wandb package)")
+    wandb_project: str = opt("laconic-nemo")
+    wandb_name: Optional[str] = opt(None, "run name; null: run.name")
+    wandb_entity: Optional[str] = opt(None, "team or user; null: the account's default")
+    wandb_mode: str = opt("online", """online | offline (no account or network: files under ${run.output_dir}/wandb,
+uploaded later with `wandb sync`)""", choices=("online", "offline"))
+
+    def __post_init__(self):
+        _require(bool(self.wandb_project), "logging.wandb_project", "a non-empty W&B project name",
+                 self.wandb_project)
 
 
 BASE_HEADER = """Base configuration shared by every recipe. A recipe names this file in `defaults:` and overrides

@@ -201,6 +201,15 @@ class ParallelInfo:
         return self.pp_rank == 0
 
 
+THREADS_ENV = "LACONIC_THREADS"
+
+
+def cpu_threads() -> int:
+    """torch's intra-op threads per process of the CPU entry points (train, eval): ``LACONIC_THREADS``, default 1
+    (the ranks of a run share the cores; the thread count also sets how a CPU matmul splits its sums)."""
+    return max(1, int(os.environ.get(THREADS_ENV, "1")))
+
+
 def free_port() -> int:
     import socket
 

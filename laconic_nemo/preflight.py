@@ -209,6 +209,8 @@ def check_resume(cfg: DictConfig, world_size: int, notes: list[str] | None = Non
 def preflight_train(cfg: DictConfig, world_size: int, local_world_size: int | None = None) -> Path | None:
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
+    from laconic_nemo.grpo.metrics import check_sinks, tensorboard_available
+
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
     check_recipe(cfg, nodes, local, check_paths=True, cluster=False)
@@ -217,6 +219,10 @@ def preflight_train(cfg: DictConfig, world_size: int, local_world_size: int | No
     check_output_names(cfg)
     if cfg.warmup.num_steps > 0 and cfg.warmup.cache_dir:
         check_writable_dir(cfg.warmup.cache_dir, "warmup.cache_dir")
+    check_sinks(cfg)  # a dashboard the recipe asks for, without its package
+    if cfg.logging.tensorboard_dir and (cfg.logging.tensorboard or
+                                        (cfg.logging.tensorboard is None and tensorboard_available())):
+        check_writable_dir(cfg.logging.tensorboard_dir, "logging.tensorboard_dir")
     notes: list[str] = []
     try:
         return check_resume(cfg, world_size, notes)

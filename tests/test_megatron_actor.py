@@ -139,3 +139,11 @@ def test_decode_engine_tensor_parallel_pieces(results):
         e = r["engine"]
         assert e["embedding_equal"] and e["te_has_fused_norm"]
         assert e["te_equal"] and e["te_logprob_err"] < 2e-5
+
+
+def test_actor_calls_no_deprecated_torch_api(results, layout):
+    """Building, stepping and sampling the actor raises no FutureWarning (printed to every user by default): e.g.
+    the TP logits gather goes through torch.distributed.all_gather_single, not the deprecated
+    all_gather_into_tensor of megatron's gather_from_tensor_model_parallel_region."""
+    for r in results[layout]:
+        assert [w for w in r["deprecations"] if w.startswith("FutureWarning")] == []

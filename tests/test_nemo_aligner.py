@@ -116,6 +116,26 @@ def test_nemo_config_keeps_sequence_parallel_off_with_tp():
     assert q.model.tensor_model_parallel_size == 4 and q.model.sequence_parallel is False
 
 
+def test_nemo_exp_manager_gets_the_recipes_dashboards(tmp_path):
+    """The NeMo path's dashboards are NeMo's own exp_manager loggers, set from the recipe's logging section."""
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                      [f"run.output_dir={tmp_path}", "logging.tensorboard=true", "logging.wandb=true",
+                       "logging.wandb_mode=offline", "logging.wandb_project=p"])
+    e = build_nemo_config(cfg, 1, 8, resume_step=20).exp_manager
+    assert e.create_tensorboard_logger is True and e.explicit_log_dir == str(tmp_path / "nemo_logs")
+    # events below the log dir (exp_manager moves its files away at every start); TensorBoard drops what a crash
+    # left past step 20
+    assert e.summary_writer_kwargs == {"sub_dir": "tensorboard", "purge_step": 21}
+    assert e.create_wandb_logger is True
+    w = e.wandb_logger_kwargs
+    assert (w.project, w.name, w.offline, w.resume, w.save_dir) == ("p", cfg.run.name, True, "allow", str(tmp_path))
+    assert w.id == json.loads((tmp_path / "wandb" / "laconic_run.json").read_text())["id"]
+    assert build_nemo_config(cfg, 1, 8, rank=3).exp_manager.wandb_logger_kwargs.id is None  # rank 0 alone logs
+    off = build_nemo_config(load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                                        ["logging.tensorboard=false"]), 1, 8).exp_manager
+    assert off.create_tensorboard_logger is False and off.create_wandb_logger is False
+
+
 def test_split_overrides():
     assert split_overrides(["laconic.budget=1", "nemo.model.seed=3"]) == (["laconic.budget=1"], ["model.seed=3"])
 
@@ -819,3 +839,47 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
             assert torch.equal(getattr(out, k), getattr(ref, k)), (sampler, k)
         assert out.truncated.any() and (~out.truncated).any()
         assert engine.stats.compactions >= 1
+
+
+def test_nemo_loggers_carry_every_metric_and_resume_without_duplicates(tmp_path, monkeypatch):
+    """Through NeMo's exp_manager (its TensorBoardLogger and WandbLogger, W&B offline) on a CPU Lightning trainer:
+    a run writes steps 1..3 and dies after its checkpoint of step 2; the resumed run (exp_manager again, restart
+    marker at 3) writes 3..4. TensorBoard's reader shows lambda and the mean length at steps 1..4 once, step 3
+    from the resumed run; the W&B run (one id) holds trainer/global_step 1..4 once."""
+    import wandb
+    from lightning.pytorch import Trainer
+    from nemo.utils.exp_manager import exp_manager
+
+    from laconic_nemo.grpo.metrics import MetricsWriter, nemo_sinks
+    from tests.dashboards import tensorboard_scalars, wandb_history, wandb_offline_runs
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
+                      [f"run.output_dir={tmp_path}", "logging.tensorboard=true", "logging.wandb=true",
+                       "logging.wandb_mode=offline"])
+
+    def row(step, run):
+        return {"step": step, "lambda": 0.01 * step + 0.1 * run, "mean_response_length": 900.0 - step,
+                "budget": 1500.0, "task_reward": 0.5, "frac_over_budget": 0.25, "step_seconds": 2.0}
+
+    def session(resume, steps, run):
+        trainer = Trainer(devices=1, accelerator="cpu", logger=False, enable_checkpointing=False)
+        exp_manager(trainer, build_nemo_config(cfg, 1, 1, resume_step=resume).exp_manager)
+        writer = MetricsWriter(tmp_path, 0, 0, 4, log_every=1)
+        writer.start(resume, nemo_sinks(trainer.loggers, cfg))
+        for s in steps:
+            writer.write(row(s, run))
+        writer.close()
+        wandb.finish()
+        wandb.teardown()
+
+    session(0, [1, 2, 3], run=0)
+    session(2, [3, 4], run=1)
+    tb = tensorboard_scalars(tmp_path / "nemo_logs" / "tensorboard")
+    assert [s for s, _ in tb["lambda"]] == [1, 2, 3, 4] and tb["lambda"][2][1] == pytest.approx(0.13)
+    assert [v for _, v in tb["mean_response_length"]] == [899.0, 898.0, 897.0, 896.0]
+    runs = [wandb_history(f) for f in wandb_offline_runs(tmp_path)]
+    assert len(runs) == 2 and len({run_id for run_id, _ in runs}) == 1
+    history = [h for _, rows in runs for h in rows]
+    assert [h["trainer/global_step"] for h in history] == [1, 2, 3, 4]
+    assert [h["lambda"] for h in history] == pytest.approx([0.01, 0.02, 0.03, 0.14])  # 3: the first write stays

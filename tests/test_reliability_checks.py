@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -162,16 +161,26 @@ def test_output_dir_that_is_a_file_or_not_writable_is_refused(capsys, tmp_path):
 
 
 # ---------------------------------------------------------------- item 15: eval
-def test_eval_user_errors_are_named_without_touching_the_network(capsys, tmp_path):
+def test_eval_user_errors_are_named_without_touching_the_network(capsys, tmp_path, monkeypatch):
+    import socket
+
+    attempts = []
+
+    def no_network(*args, **kwargs):  # any name lookup or connection (a Hub request, its retries) is recorded
+        attempts.append(args[:2])
+        raise OSError("network use in a test of offline checks")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
     ok = ["eval", "--model", str(model), "--backend", "transformers", "--output-dir", str(tmp_path / "o")]
-    t0 = time.monotonic()
     refused(capsys, ["eval", "--model", "/nonexistent/model", "--output-dir", str(tmp_path)],
             "--model '/nonexistent/model' does not exist")
     refused(capsys, ["eval", "--model", "org/typo-model", "--output-dir", str(tmp_path)], "never downloaded")
-    assert time.monotonic() - t0 < 5  # no Hub retries
+    assert attempts == []  # named offline: no Hub request, hence no retries
     refused(capsys, [*ok, "--benchmarks", "nosuch"], "--benchmarks: unknown ['nosuch']")
     refused(capsys, [*ok, "--n-samples", "0"], "--n-samples = 0 is invalid")
     refused(capsys, [*ok, "--limit", "0"], "--limit = 0 is invalid")
@@ -241,7 +250,8 @@ def test_collectives_time_out_after_the_configured_seconds(tmp_path):
         procs[1].wait()
     assert procs[0].returncode == 7, out[-2000:]
     seconds = float(out.split("timed out after ")[1].split(" s")[0])
-    assert 2.5 <= seconds < 20, seconds  # megatron's default would be 30 minutes
+    # not before the configured 3 s; torch's default (30 minutes) would have hit the 90 s hang guard above
+    assert seconds >= 2.5, seconds
 
 
 # ---------------------------------------------------------------- bad input met only after launch, now named before
@@ -402,11 +412,13 @@ CHECKED_ELSEWHERE = [
     ("model.path", "/nonexistent/model", "model.path"),
     ("data.train_files", "[/nonexistent.jsonl]", "data.train_files"),
     ("rollout.batch_buckets", "[16,8]", "rollout.batch_buckets = [16, 8] is invalid"),
+    ("logging.tensorboard_dir", "/proc/laconic_tb", "logging.tensorboard_dir = '/proc/laconic_tb' is invalid"),
+    ("logging.wandb_project", "''", "logging.wandb_project = '' is invalid"),
 ]
 # keys any value of whose type is valid
 FREE = {"run.name", "data.target_instruction", "data.shuffle", "grpo.leave_one_out", "grpo.sort_by_length",
         "laconic.count_eos", "rollout.compact", "rollout.cuda_graphs", "rollout.vllm.colocate", "checkpoint.export_hf", "logging.plot",
-        "logging.rank_trace"}
+        "logging.rank_trace", "logging.tensorboard", "logging.wandb", "logging.wandb_name", "logging.wandb_entity"}
 
 
 def test_every_key_has_a_range_or_a_check_elsewhere():

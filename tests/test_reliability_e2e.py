@@ -211,7 +211,6 @@ def test_watchdog_names_the_stopped_rank_within_its_bound(chain):
     assert (f"no rank made progress for {bound:.0f} s (max(parallel.watchdog_min_s = 10, "
             f"parallel.watchdog_step_factor = 10 x the longest step so far, {step2:.2f} s))") in run.out, run.out[-3000:]
     assert run.out.rstrip().splitlines()[-1].startswith("laconic-nemo train: no rank made progress")
-    assert run.seconds < bound + 150  # start-up + step 2 + the bound, far from watchdog_s = 600 s
 
 
 def test_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(chain):

@@ -12,11 +12,8 @@ import time
 import pytest
 
 from laconic_nemo.rewards import MathReward, grade_one
-from laconic_nemo.rewards.math_reward import SOFT_FRACTION
 
 TIMEOUT_S = 2.0
-# Slack for process start-up / IPC on a loaded 2-core machine when checking wall time against the bound.
-SLACK_S = 4.0
 # The stubborn pool: 1 CPU-second per item, wall-clock backstop at 2 s.
 STUB_TIMEOUT_S = 1.0
 STUB_WALL_S = 2.0
@@ -62,15 +59,12 @@ def test_timeout_kills_worker_and_pool_survives(stubborn):
     pids_before = set(stubborn.worker_pids)
     responses = [_box("1"), _box("stuck"), _box("2"), _box("3"), "no box", _box("4")]
     answers = ["1", "1", "2", "0", "1", "4"]
-    start = time.perf_counter()
     res = stubborn.score(responses, answers)
-    elapsed = time.perf_counter() - start
     assert res.statuses == ["correct", "timeout", "correct", "wrong", "no_answer", "correct"]
     assert res.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert res.metrics["timeouts"] == 1 and res.metrics["graded"] == 5 and res.metrics["correct"] == 3
     assert res.metrics["wall_timeouts"] == 1  # a sleeping worker uses no CPU: the backstop ended it
-    assert elapsed < STUB_WALL_S + SLACK_S
-    assert STUB_WALL_S <= res.metrics["max_item_seconds"] < STUB_WALL_S + SLACK_S  # the killed item
+    assert res.metrics["max_item_seconds"] >= STUB_WALL_S  # the killed item: never before its backstop
     assert stubborn.replaced_workers >= 1
     assert set(stubborn.worker_pids) != pids_before  # the stuck worker was replaced
     # the pool keeps working afterwards
@@ -95,37 +89,34 @@ def test_cpu_limit_ends_spinning_worker():
     with MathReward(num_workers=1, timeout_s=STUB_TIMEOUT_S, wall_timeout_s=120.0, checker=stubborn_checker) as r:
         r.start()
         pid = r.worker_pids[0]
-        start = time.perf_counter()
         res = r.score([_box("spin"), _box("5")], ["1", "5"])
-        elapsed = time.perf_counter() - start
         assert r.worker_pids[0] != pid and r.replaced_workers == 1
     assert res.statuses == ["timeout", "correct"]
+    # the kernel's CPU-time limit ended it (SIGXCPU), not the wall-clock backstop
     assert res.metrics["timeouts"] == 1 and res.metrics["wall_timeouts"] == 0
     assert res.metrics["max_item_cpu_seconds"] == STUB_TIMEOUT_S
-    assert elapsed < 60.0  # CPU-bound: ~2 s on an idle core, far below the 120 s backstop
 
 
 def test_many_stuck_items_each_bounded(stubborn):
-    # 4 different stuck items on 2 workers: two rounds of kills, the batch ends within ~2 backstops.
+    # 4 different stuck items on 2 workers: each one is ended by the backstop (one kill and one fresh worker
+    # each), and the other items are all graded
+    replaced = stubborn.replaced_workers
     responses = [_box(f"stuck{k}") for k in range(4)] + [_box("7")] * 10
-    start = time.perf_counter()
     res = stubborn.score(responses, ["7"] * 14)
-    elapsed = time.perf_counter() - start
     assert res.statuses == ["timeout"] * 4 + ["correct"] * 10
-    assert elapsed < 2 * STUB_WALL_S + SLACK_S
-    assert res.metrics["timeouts"] == 4 and res.metrics["unique_graded"] == 5
+    assert res.metrics["timeouts"] == 4 and res.metrics["wall_timeouts"] == 4 and res.metrics["unique_graded"] == 5
+    assert stubborn.replaced_workers - replaced == 4
 
 
 def test_identical_answers_graded_once(stubborn):
-    # G samples giving the same pathological answer cost one timeout, not G.
+    # G samples giving the same pathological answer cost one timeout (one killed worker), not G.
+    replaced = stubborn.replaced_workers
     responses = [_box("stuck")] * 16 + [_box("8")] * 16
-    start = time.perf_counter()
     res = stubborn.score(responses, ["8"] * 32)
-    elapsed = time.perf_counter() - start
     assert res.statuses == ["timeout"] * 16 + ["correct"] * 16
     assert res.metrics["timeouts"] == 16 and res.metrics["graded"] == 32 and res.metrics["unique_graded"] == 2
     assert res.metrics["wall_timeouts"] == 16
-    assert elapsed < STUB_WALL_S + SLACK_S
+    assert stubborn.replaced_workers - replaced == 1
 
 
 @pytest.mark.parametrize(
@@ -139,21 +130,21 @@ def test_identical_answers_graded_once(stubborn):
 )
 def test_adversarial_input_returns_within_timeout(answer):
     # max_answer_chars is raised so the long inputs really reach the parser
+    # (the CPU-time limit, or the wall-clock backstop of 10 x TIMEOUT_S on a descheduled worker, ends it)
     with MathReward(num_workers=1, timeout_s=TIMEOUT_S, max_answer_chars=10**6) as reward:
         reward.start()
-        start = time.perf_counter()
         res = reward.score([_box(answer), _box("5")], ["5", "5"])
-        elapsed = time.perf_counter() - start
     assert res.statuses[0] in ("timeout", "error", "wrong")
     assert res.scores[0] == 0.0 and res.statuses[1] == "correct"
-    assert elapsed < TIMEOUT_S + SLACK_S
+    # no item used more CPU than its limit allows: the kernel's limit is TIMEOUT_S rounded up to a whole second
+    assert res.metrics["max_item_cpu_seconds"] <= TIMEOUT_S + 1.0
 
 
 def test_adversarial_default_length_guard():
     with MathReward(num_workers=0, timeout_s=TIMEOUT_S) as reward:
-        start = time.perf_counter()
         res = reward.score([_box("{" * 100_000 + "1" + "}" * 100_000)], ["1"])
-    assert res.statuses == ["wrong"] and time.perf_counter() - start < 2.0
+    # graded wrong by the length guard: the answer never reached the parser or the verifier
+    assert res.statuses == ["wrong"] and res.metrics["unique_graded"] == 0
 
 
 def test_pool_agrees_with_single_process():
@@ -229,11 +220,13 @@ def _heavy_item() -> tuple[str, str]:
 
 
 def test_cpu_heavy_answer_scores_the_same_idle_and_saturated():
-    """The score of an item that needs ~0.35 CPU-s within a 1 CPU-s limit must not depend on machine load.
-    With 3 busy processes per core the item takes several times longer on the wall clock (a wall-clock limit
-    would score it 0), but the same CPU time."""
+    """The score of an item that needs real CPU time (~0.35 CPU-s here) does not depend on machine load: graded
+    by fresh workers once on an idle machine and once with 3 busy processes per core, it gets the same status
+    and score and no timeout. The limit (10 CPU-s) is far above the item's cost on any machine, so nothing here
+    depends on how fast the machine is; that the limit counts CPU time and not wall-clock time is checked
+    exactly by test_item_limit_counts_cpu_time_not_wall_time."""
     response, gold = _heavy_item()
-    timeout_s = 1.0
+    timeout_s = 10.0
     # two pools started before the load (fresh workers: no warm sympy caches in the second one)
     with MathReward(num_workers=1, timeout_s=timeout_s) as idle_pool, \
             MathReward(num_workers=1, timeout_s=timeout_s) as loaded_pool:
@@ -243,7 +236,6 @@ def test_cpu_heavy_answer_scores_the_same_idle_and_saturated():
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * cores)]
         try:
-            time.sleep(0.2)
             loaded = loaded_pool.score([response], [gold])
         finally:
             for hog in hogs:
@@ -253,7 +245,22 @@ def test_cpu_heavy_answer_scores_the_same_idle_and_saturated():
     assert idle.statuses == loaded.statuses == ["correct"]
     assert idle.scores == loaded.scores == [1.0]
     assert idle.metrics["timeouts"] == loaded.metrics["timeouts"] == 0
-    # the load was real: the item's wall time exceeded the soft bound a wall-clock timer would have used,
-    # while its CPU time stayed well inside the limit
-    assert loaded.metrics["max_item_seconds"] > SOFT_FRACTION * timeout_s
-    assert loaded.metrics["max_item_cpu_seconds"] < SOFT_FRACTION * timeout_s
+
+
+def sleepy_checker(pred, golds):
+    """Takes ``pred`` seconds of wall-clock time and almost no CPU time (a worker that the scheduler keeps off the
+    CPU on a loaded machine looks like this to the item's timers), then compares exactly."""
+    time.sleep(float(pred))
+    return pred == golds[0]
+
+
+def test_item_limit_counts_cpu_time_not_wall_time():
+    """An item that lasts 1.5 limits of wall-clock time but uses almost no CPU is graded, not timed out: the limit
+    is on CPU time. ``time.sleep`` guarantees the wall time, so this holds on a fast or a slow machine alike;
+    a wall-clock limit would score the item 0 (a timeout)."""
+    limit = 1.0
+    with MathReward(num_workers=1, timeout_s=limit, wall_timeout_s=600.0, checker=sleepy_checker) as pool:
+        res = pool.score([_box("1.5"), _box("0.0")], ["1.5", "1"])
+    assert res.statuses == ["correct", "wrong"]
+    assert res.metrics["timeouts"] == 0 and res.metrics["wall_timeouts"] == 0
+    assert res.metrics["max_item_seconds"] >= 1.5 * limit  # the sleep's guarantee, not a measurement of speed

@@ -1,6 +1,8 @@
 """The trainer end to end on real megatron-core over gloo (2 CPU processes under torchrun).
 
-* resume after step k reproduces the uninterrupted run's metrics for steps k+1.. bit for bit;
+* resume after step k reproduces the uninterrupted run's metrics for steps k+1.. bit for bit; the same runs'
+  TensorBoard event files and offline W&B run hold every metric at its step, once, and they print no warning
+  the user did not cause;
 * with DP = 2 every rank holds the same lambda, bit for bit, each step;
 * SIGUSR1 makes the run checkpoint at the end of the step and stop; rerunning finishes the run;
 * the tiny LACONIC run's behaviour (slow): mean length from above B to within 10% of B over the last
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,7 +21,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,13 +64,25 @@ def strip_timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
 
 
-def test_resume_after_step_k_equals_the_uninterrupted_run(tmp_path):
-    cache = f"warmup.cache_dir={tmp_path / 'cache'}"
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    run_train([TINY, *FAST, cache, "run.num_steps=4", "checkpoint.every_n_steps=2"], full)
-    run_train([TINY, *FAST, cache, "run.num_steps=2", "checkpoint.every_n_steps=2"], cut)
-    assert [r["step"] for r in metrics(cut)] == [1, 2]
-    proc = run_train([TINY, *FAST, cache, "run.num_steps=4", "checkpoint.every_n_steps=2"], cut)
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Three runs of the fast recipe sharing one warm-up cache: ``full`` (4 steps) and ``cut`` (2 steps, then
+    resumed to 4). Dashboards at their defaults (TensorBoard on where installed); the cut run also writes an
+    offline W&B run where wandb is installed."""
+    tmp = tmp_path_factory.mktemp("resume")
+    cache = f"warmup.cache_dir={tmp / 'cache'}"
+    full, cut = tmp / "full", tmp / "cut"
+    wandb = ["logging.wandb=true", "logging.wandb_mode=offline"] if importlib.util.find_spec("wandb") else []
+    procs = [run_train([TINY, *FAST, cache, "run.num_steps=4", "checkpoint.every_n_steps=2"], full)]
+    procs.append(run_train([TINY, *FAST, cache, *wandb, "run.num_steps=2", "checkpoint.every_n_steps=2"], cut))
+    first = metrics(cut)
+    procs.append(run_train([TINY, *FAST, cache, *wandb, "run.num_steps=4", "checkpoint.every_n_steps=2"], cut))
+    return SimpleNamespace(full=full, cut=cut, procs=procs, first=first, wandb=bool(wandb))
+
+
+def test_resume_after_step_k_equals_the_uninterrupted_run(resumed):
+    full, cut, proc = resumed.full, resumed.cut, resumed.procs[2]
+    assert [r["step"] for r in resumed.first] == [1, 2]
     assert "resumed from" in proc.stdout
     a, b = metrics(full), metrics(cut)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -75,6 +92,63 @@ def test_resume_after_step_k_equals_the_uninterrupted_run(tmp_path):
     assert any(r["lambda_next"] != r["lambda"] for r in a)
     latest = (cut / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_000004" and not list((cut / "checkpoints").glob("*.tmp"))
+
+
+def test_tensorboard_event_files_hold_every_metric_at_its_step(resumed):
+    """Read with TensorBoard's own reader: lambda, the mean length and every other number of metrics.jsonl at each
+    step, once (the resumed run continues the same curves), equal to the row (as float32, TensorBoard's scalar)."""
+    pytest.importorskip("tensorboard")
+    from tests.dashboards import tensorboard_scalars
+
+    for out in (resumed.full, resumed.cut):
+        rows = metrics(out)
+        scalars = tensorboard_scalars(out / "tensorboard")
+        numeric = {k for k, v in rows[0].items() if isinstance(v, (int, float)) and k != "step"}
+        assert {"lambda", "mean_response_length", "task_reward", "frac_over_budget", "time/generate"} <= numeric
+        assert set(scalars) == numeric
+        for tag in numeric:
+            assert scalars[tag] == [(r["step"], float(np.float32(r[tag]))) for r in rows], (out.name, tag)
+        assert [s for s, _ in scalars["lambda"]] == [1, 2, 3, 4]
+
+
+def test_wandb_offline_run_holds_every_metric_from_rank_0(resumed):
+    """W&B in offline mode: one run file per launch (rank 0 alone logs), both under one run id, steps 1..4 once
+    each with the values of metrics.jsonl (exactly: W&B keeps floats as JSON)."""
+    if not resumed.wandb:
+        pytest.skip("wandb is not installed")
+    from tests.dashboards import wandb_history, wandb_offline_runs
+
+    files = wandb_offline_runs(resumed.cut)
+    assert len(files) == 2, files
+    runs = [wandb_history(f) for f in files]
+    assert len({run_id for run_id, _ in runs}) == 1
+    history = [h for _, rows in runs for h in rows]
+    rows = metrics(resumed.cut)
+    assert [h["_step"] for h in history] == [r["step"] for r in rows] == [1, 2, 3, 4]
+    for h, r in zip(history, rows):
+        assert {k: v for k, v in h.items() if not k.startswith("_")} == \
+            {k: v for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+
+
+def test_a_plain_run_prints_progress_with_an_eta_and_no_warning_the_user_did_not_cause(resumed):
+    """No FutureWarning (torch's deprecated all_gather_into_tensor, the pynvml shim's import hook) and no request
+    for CUDA_DEVICE_MAX_CONNECTIONS; the warm-up and the steps print an ETA."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pynvml = version("pynvml")
+    except PackageNotFoundError:
+        pynvml = "absent"
+    for proc in resumed.procs:
+        text = proc.stdout + proc.stderr
+        assert "FutureWarning" not in text, (f"pynvml {pynvml} (pyproject: pynvml < 13; rerun scripts/setup.sh)",
+                                             text[-3000:])
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in text, text[-3000:]
+    first = resumed.procs[0].stdout.splitlines()
+    assert any(x.startswith("warmup    20/20 | nll/token") and " | eta 0s" in x for x in first), first
+    steps = [x for x in first if x.startswith("step ")]
+    assert [x[:11] for x in steps] == ["step    1/4", "step    2/4", "step    3/4", "step    4/4"]
+    assert all(" | eta " in x for x in steps) and steps[-1].endswith("| eta 0s")
 
 
 def test_data_parallel_ranks_hold_the_same_lambda_bit_for_bit(tmp_path):

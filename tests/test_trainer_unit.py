@@ -97,6 +97,60 @@ def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
     assert packed != plain and packed != _warmup_cache_dir(load_config(TINY, [*base, "grpo.micro_batch_tokens=512"]))
 
 
+def test_warmup_cache_key_names_code_versions_and_threads(tmp_path, monkeypatch):
+    """A policy warmed up by other code, other torch / megatron-core versions or another thread count (each of
+    which changes its floats) is cached under another key, so it is never loaded in place of this one."""
+    from laconic_nemo.app import warmup
+
+    cfg = load_config(TINY, [f"warmup.cache_dir={tmp_path}"])
+    plain = warmup.warmup_cache_dir(cfg, 2)
+    assert warmup.warmup_cache_dir(cfg, 2, threads=1) == plain  # the entry points' default: LACONIC_THREADS=1
+    assert warmup.warmup_cache_dir(cfg, 2, threads=2) != plain
+    monkeypatch.setenv("LACONIC_THREADS", "2")
+    assert warmup.warmup_cache_dir(cfg, 2) == warmup.warmup_cache_dir(cfg, 2, threads=2)
+    monkeypatch.delenv("LACONIC_THREADS")
+    versions = warmup.library_versions()
+    assert set(versions) == {"python", "torch", "megatron-core"} and versions["megatron-core"] == "0.11.0"
+    monkeypatch.setattr(warmup, "library_versions", lambda: {**versions, "torch": "2.12.0+cpu"})
+    assert warmup.warmup_cache_dir(cfg, 2) != plain
+    monkeypatch.setattr(warmup, "library_versions", lambda: versions)
+    monkeypatch.setattr(warmup, "warmup_code_digest", lambda: "0" * 12)
+    assert warmup.warmup_cache_dir(cfg, 2) != plain
+
+
+def test_code_fingerprint_ignores_text_and_sees_code():
+    """The code part of the key: docstrings, comments and layout do not count; a changed summation does."""
+    from laconic_nemo.app.warmup import WARMUP_MODULES, normalized_source, warmup_code_digest
+
+    a = "def mean(x):\n    return sum(x) / len(x)\n"
+    b = 'def mean(x):\n    """The mean."""\n    # one pass\n\n    return sum(x)/len(x)\n'
+    c = "def mean(x):\n    return sum(reversed(x)) / len(x)\n"
+    assert normalized_source(a) == normalized_source(b) != normalized_source(c)
+    assert "laconic_nemo.actors.megatron_core" in WARMUP_MODULES and "laconic_nemo.data.synthetic" in WARMUP_MODULES
+    assert len(warmup_code_digest()) == 12 and warmup_code_digest() == warmup_code_digest()
+
+
+def test_cached_policy_is_used_only_with_the_key_it_was_written_for(tmp_path):
+    """A cache folder without meta.json (written before the key named code and versions, or copied by hand) or
+    with another key is refused, naming the folder and what differs."""
+    import json
+
+    from laconic_nemo.app.warmup import check_cache_meta, warmup_cache_key
+    from laconic_nemo.config import ConfigError
+
+    cfg = load_config(TINY, [f"warmup.cache_dir={tmp_path}"])
+    key = warmup_cache_key(cfg, 2, threads=1)
+    folder = tmp_path / "policy_x"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="policy_x has no meta.json"):
+        check_cache_meta(folder, key)
+    (folder / "meta.json").write_text(json.dumps({"key": {**key, "threads": 2, "code": "0" * 12}}))
+    with pytest.raises(ConfigError, match=r"policy_x was written for other settings \(code, threads differ\)"):
+        check_cache_meta(folder, key)
+    (folder / "meta.json").write_text(json.dumps({"key": json.loads(json.dumps(key))}))
+    check_cache_meta(folder, key)
+
+
 def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp_path):
     """The NeMo-Aligner actor's checkpoint hook: its sharded checkpoint of step s (with the step and the shaper
     state in the sidecar) is written before step_s exists, the step folder's model shard refers to it, and it is

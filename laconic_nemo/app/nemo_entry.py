@@ -63,13 +63,18 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return recipe, nemo
 
 
-def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = ()) -> DictConfig:
+def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
+                      resume_step: int = 0, rank: int = 0) -> DictConfig:
     """The NeMo-Aligner (0.7.0 ``gpt_reinforce_actor.yaml`` layout) config for a recipe.
 
     Only what the NeMo side needs: parallel layout, precision, optimiser, generation parameters and
     batch sizes (the GRPO loop itself reads the recipe). Keys of the .nemo's own model config that
-    are not set here (architecture, tokenizer) come from the checkpoint.
+    are not set here (architecture, tokenizer) come from the checkpoint. The ``exp_manager`` loggers are the
+    recipe's ``logging`` dashboards (:func:`laconic_nemo.grpo.metrics.nemo_logger_settings`; ``resume_step``:
+    the step of the checkpoint the run resumes, ``rank``: this process's global rank).
     """
+    from laconic_nemo.grpo.metrics import nemo_logger_settings
+
     g, o, r = cfg.grpo, cfg.optim, cfg.rollout
     tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
     world = int(nodes) * int(gpus_per_node)
@@ -91,9 +96,9 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
             "reinforce": {"trt_llm": trt_llm},
         },
         "exp_manager": {
-            "explicit_log_dir": str(Path(cfg.run.output_dir) / "nemo_logs"), "exp_dir": None,
-            "name": str(cfg.run.name), "create_wandb_logger": False, "create_tensorboard_logger": True,
+            "exp_dir": None, "name": str(cfg.run.name),
             "create_checkpoint_callback": False, "resume_if_exists": False, "resume_ignore_no_checkpoint": True,
+            **nemo_logger_settings(cfg, resume_step, rank),
         },
         "pretrained_checkpoint": {"restore_from_path": str(cfg.model.path)},
         "model": {
@@ -245,6 +250,15 @@ def export_policy_nemo(model, output_dir: str | Path, rank: int) -> Path:
     return export / EXPORT_NEMO
 
 
+def resume_step(cfg: DictConfig) -> int:
+    """The step of the checkpoint this run resumes (0: a fresh start), from its ``trainer_state.json``."""
+    from laconic_nemo.grpo.checkpoint import find_resume_checkpoint
+    from laconic_nemo.grpo.resume import read_trainer_state
+
+    found = find_resume_checkpoint(cfg)
+    return 0 if found is None else int(read_trainer_state(found)["step"])
+
+
 def nemo_resume_path(cfg: DictConfig) -> str | None:
     """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
 
@@ -291,7 +305,8 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
 
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
     gpus = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(max(torch.cuda.device_count(), 1))).split("(")[0])
-    ncfg = build_nemo_config(cfg, nodes, gpus, nemo_overrides)
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    ncfg = build_nemo_config(cfg, nodes, gpus, nemo_overrides, resume_step=resume_step(cfg), rank=rank)
     restore = ncfg.pretrained_checkpoint.restore_from_path
     ncfg.model = load_and_override_model_config(restore, ncfg.model)
     ptl_trainer = resolve_and_create_trainer(ncfg, "reinforce")
@@ -333,8 +348,11 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
-    try:
-        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal())
+    from laconic_nemo.grpo.metrics import nemo_sinks
+
+    try:  # the dashboards are NeMo's own loggers (exp_manager's TensorBoardLogger / WandbLogger), fed by rank 0
+        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal(),
+                   metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
         if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
             export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:
@@ -355,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.recipe, recipe_ov)
         if nemo_ov:
             OmegaConf.from_dotlist(nemo_ov)
+        if not args.prepare:
+            from laconic_nemo.grpo.metrics import check_sinks
+
+            check_sinks(cfg)  # a dashboard the recipe asks for, without its package
     except (ConfigError, ValueError) as exc:
         print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -17,22 +18,24 @@ from laconic_nemo.app.task import Task
 from laconic_nemo.faults import heartbeat
 from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor
+from laconic_nemo.grpo.metrics import MetricSink
 from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
 
 
 def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
-        early_signal: int | None = None) -> int:
+        early_signal: int | None = None, metric_sinks: Callable[[int], list[MetricSink]] | None = None) -> int:
     """Train ``actor`` on ``task`` for ``cfg.run.num_steps`` steps (every rank, SPMD).
 
     checkpoint_hook: writes and prunes an actor's own checkpoint files beside the trainer's step folders
         (the NeMo-Aligner actor's distributed checkpoint); None for actors whose state the trainer saves.
     early_signal: a SIGUSR1 / SIGTERM / SIGINT received before the trainer's handler was installed.
+    metric_sinks: the dashboards, ``f(resume_step)`` called on rank 0 (default: those of ``cfg.logging``).
 
     Returns 0 when the run finished (whatever signal arrives after its last checkpoint), 3 when it stopped on a
     signal (after a checkpoint, or before the first step).
     """
     trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
-                          checkpoint_hook=checkpoint_hook)
+                          checkpoint_hook=checkpoint_hook, metric_sinks=metric_sinks)
     is_logger = trainer.is_logger
 
     def log(msg: str):

@@ -266,6 +266,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
                HEARTBEAT_ENV: heartbeat_dir, PREFLIGHT_DONE_ENV: "1", "PYTHONUNBUFFERED": "1",
                LAUNCHER_PID_ENV: str(os.getpid())}  # the rank dies with this launcher (main below)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # megatron's recommended setting for its TP communication (launch/submit.sh sets it on the cluster);
+        # without it every TP > 1 rank prints a UserWarning asking for it
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, errors="replace", process_group=0))
@@ -366,9 +369,9 @@ def train(cfg: DictConfig) -> int:
     from laconic_nemo.app.run import run as run_grpo
     from laconic_nemo.app.task import build_task
     from laconic_nemo.faults import heartbeat
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.megatron_env import cpu_threads, destroy_distributed, init_distributed
 
-    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    torch.set_num_threads(cpu_threads())
     info = init_distributed(cfg.parallel.tensor_model_parallel_size,
                             cfg.parallel.pipeline_model_parallel_size,
                             backend=str(cfg.parallel.backend), seed=cfg.run.seed,

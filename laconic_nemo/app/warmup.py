@@ -23,6 +23,7 @@ from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.checkpoint import CheckpointManager, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
+from laconic_nemo.grpo.metrics import ProgressClock
 from laconic_nemo.grpo.trainer import allreduce_sum
 
 
@@ -83,8 +84,8 @@ def supervised_warmup(
         raise ValueError(f"warmup.batch_size = {batch_size} must be divisible by DP = {actor.dp_size}")
     per = batch_size // actor.dp_size
     losses = []
-    t0 = time.perf_counter()
     longest = None  # the longest warm-up step so far (the launcher's watchdog scales with it)
+    clock = ProgressClock(start_step, num_steps)  # ETA from the mean time of the steps this process ran
     for step in range(start_step, num_steps):
         if should_stop is not None and should_stop():
             break
@@ -99,14 +100,74 @@ def supervised_warmup(
         losses.append(float(out.get("loss", float("nan"))))
         longest = max(longest or 0.0, time.perf_counter() - t_step)
         if (step + 1) % log_every == 0 or step + 1 == num_steps:
-            log(f"warmup {step + 1:>5}/{num_steps} | nll/token {losses[-1]:.4f} | {time.perf_counter() - t0:.1f}s")
+            log(f"warmup {step + 1:>5}/{num_steps} | nll/token {losses[-1]:.4f} | {clock.elapsed():.1f}s | "
+                f"eta {clock.eta(step + 1)}")
     return losses
 
 
-def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
-    """Where the warmed-up policy of this recipe is cached: a digest of what changes it (model, warm-up, layout,
-    synthetic task, seed, world size, micro-batch order). world_size: the run's number of processes (default:
-    this launch's ``WORLD_SIZE``)."""
+# The code a warmed-up policy is a function of, besides the recipe: the warm-up loop and its data, the model, its
+# layout and initialisation, the training step and the loss. A change to any of it (the reduction order of a sum,
+# a micro-batch split, an initialiser) changes the policy, so it is part of the cache key.
+WARMUP_MODULES = (
+    "laconic_nemo.app.warmup", "laconic_nemo.app.task", "laconic_nemo.data.synthetic", "laconic_nemo.grpo.loss",
+    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.megatron_env",
+    "laconic_nemo.kernels",
+)
+WARMUP_FUNCTIONS = (("laconic_nemo.grpo.trainer", "allreduce_sum"),)
+META = "meta.json"
+
+
+def normalized_source(source: str) -> str:
+    """The syntax tree of Python ``source`` without docstrings, comments, blank lines or line numbers: a
+    fingerprint that edits of the text alone do not change."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
+def warmup_code_digest() -> str:
+    """sha256 (12 hex digits) of the normalised source of :data:`WARMUP_MODULES` and :data:`WARMUP_FUNCTIONS`."""
+    import importlib
+    import inspect
+
+    h = hashlib.sha256()
+    for name in WARMUP_MODULES:
+        h.update(name.encode() + b"\0" + normalized_source(inspect.getsource(importlib.import_module(name))).encode())
+    for module, fn in WARMUP_FUNCTIONS:
+        obj = getattr(importlib.import_module(module), fn)
+        h.update(f"{module}.{fn}".encode() + b"\0" + normalized_source(inspect.getsource(obj)).encode())
+    return h.hexdigest()[:12]
+
+
+def library_versions() -> dict[str, str]:
+    """Python, torch and megatron-core versions (their kernels and reductions make the policy's floats)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
+        megatron = "absent"
+    return {"python": ".".join(platform.python_version_tuple()[:2]), "torch": torch.__version__,
+            "megatron-core": megatron}
+
+
+def warmup_cache_key(cfg: DictConfig, world_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Everything the warmed-up policy is a function of: the recipe's model, warm-up, layout, synthetic task, seed
+    and micro-batch order, the world size, the CPU threads per process, the code (:func:`warmup_code_digest`) and
+    the library versions. world_size: the run's number of processes (default: this launch's ``WORLD_SIZE``);
+    threads: torch's intra-op threads of the warm-up (default: the entry points' setting,
+    :func:`laconic_nemo.megatron_env.cpu_threads`)."""
+    from laconic_nemo.megatron_env import cpu_threads
+
     key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
     key["seed"] = cfg.run.seed
@@ -118,9 +179,34 @@ def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None) -> Path:
     key["warmup"].pop("cache_dir", None)
     for k in ("watchdog_step_factor", "watchdog_min_s"):  # the launcher's, not the policy's (and newer than the
         key["parallel"].pop(k, None)                       # caches: keeping them out keeps the caches' names)
+    # a CPU matmul splits its sums over threads: another thread count, other roundings
+    key["threads"] = cpu_threads() if threads is None else int(threads)
+    key["code"] = warmup_code_digest()
+    key["versions"] = library_versions()
+    return key
+
+
+def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None, threads: int | None = None) -> Path:
+    """Where the warmed-up policy of this recipe is cached: ``<warmup.cache_dir>/policy_<digest>``, the digest of
+    :func:`warmup_cache_key` (a policy made by other code, library versions or thread counts is never reused)."""
+    key = warmup_cache_key(cfg, world_size, threads)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
     return root / f"policy_{digest}"
+
+
+def check_cache_meta(cache: Path, key: dict[str, Any]) -> None:
+    """A cached policy is used only with the key it was written for (its ``meta.json``): a folder copied or renamed
+    by hand, or written before the key named code and versions, is refused naming what differs."""
+    meta_file = cache / META
+    if not meta_file.is_file():
+        raise ConfigError(f"warm-up cache {cache} has no {META} (written by an older version, or copied by hand): "
+                          f"delete it, or set warmup.cache_dir to another folder")
+    written = json.loads(meta_file.read_text()).get("key", {})
+    differ = sorted(k for k in set(key) | set(written) if key.get(k) != written.get(k))
+    if differ:
+        raise ConfigError(f"warm-up cache {cache} was written for other settings ({', '.join(differ)} differ): "
+                          f"delete it, or set warmup.cache_dir to another folder")
 
 
 def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log, should_stop=None) -> bool:
@@ -130,14 +216,19 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
 
     if warmup_example is None:
         raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
-    cache = warmup_cache_dir(cfg)
+    threads = torch.get_num_threads()  # what this warm-up runs with
+    key = warmup_cache_key(cfg, threads=threads)
+    cache = warmup_cache_dir(cfg, threads=threads)
     shard = cache / CheckpointManager.shard_name(actor)
     partial = cache.with_name(cache.name + ".partial")
     total = cfg.warmup.num_steps
+    made_by = (f"code {key['code']}, torch {key['versions']['torch']}, megatron-core "
+               f"{key['versions']['megatron-core']}, {key['threads']} thread(s) per rank")
 
     if (cache / "done").is_file():
+        check_cache_meta(cache, key)
         actor.load_model_state(torch.load(shard, weights_only=False))
-        log(f"warm-up: loaded cached policy {cache}")
+        log(f"warm-up: loaded cached policy {cache} ({made_by})")
     else:
         actor.set_learning_rate(cfg.warmup.lr)
         start = 0
@@ -146,7 +237,7 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
             actor.load_checkpoint_state(torch.load(partial / shard.name, weights_only=False))
             log(f"warm-up: continuing the interrupted warm-up at step {start + 1}/{total}")
         else:
-            log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size}")
+            log(f"warm-up: {total} supervised steps, batch {cfg.warmup.batch_size} ({made_by})")
         losses = supervised_warmup(actor, warmup_example, total, cfg.warmup.batch_size,
                                    cfg.grpo.micro_batch_size, cfg.run.seed, pad_id, log=log,
                                    start_step=start, should_stop=should_stop)
@@ -180,6 +271,8 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
             torch.save(actor.model_state(), tmp / shard.name)
         barrier()
         if rank == 0:
+            (tmp / META).write_text(json.dumps({"key": key, "continued_from_step": start or None}, indent=1,
+                                               sort_keys=True))
             (tmp / "done").write_text("ok")
             if cache.exists():  # another run with the same settings finished first: keep its copy
                 shutil.rmtree(tmp, ignore_errors=True)

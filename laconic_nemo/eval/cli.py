@@ -277,8 +277,9 @@ def _main_synthetic(args) -> int:
         run_config,
         warmup_policy_dir,
     )
+    from laconic_nemo.megatron_env import cpu_threads
 
-    torch.set_num_threads(max(1, int(os.environ.get("LACONIC_THREADS", "1"))))
+    torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
     cfg, world_size = run_config(os.path.expanduser(args.model))
     policy = warmup_policy_dir(cfg, int(world_size), args.warmup_cache) if args.warmed_up else args.model
     name = args.name or os.path.basename(os.path.normpath(args.model)) + ("-warmup" if args.warmed_up else "")

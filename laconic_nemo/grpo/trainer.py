@@ -53,7 +53,7 @@ from laconic_nemo.grpo.interfaces import (
     response_mask,
 )
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
-from laconic_nemo.grpo.metrics import MetricsWriter
+from laconic_nemo.grpo.metrics import MetricSink, MetricsWriter, build_sinks
 
 # (responses, reference answers) -> (scores in [0, 1], metrics)
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
@@ -118,6 +118,9 @@ class GRPOTrainer:
     reward_fn: task reward, see :data:`RewardFn`.
     eos_id: the token that ends a response.
     checkpoint_hook: the actor's own checkpoint files (:class:`~laconic_nemo.grpo.checkpoint.CheckpointHook`).
+    metric_sinks: ``f(resume_step) -> dashboards`` opened on rank 0 when training starts (default: the ones
+        ``cfg.logging`` asks for, :func:`~laconic_nemo.grpo.metrics.build_sinks`; the NeMo-Aligner entry hands
+        in NeMo's own loggers).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class GRPOTrainer:
         reward_fn: RewardFn,
         eos_id: int,
         checkpoint_hook: CheckpointHook | None = None,
+        metric_sinks: Callable[[int], list[MetricSink]] | None = None,
     ):
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
@@ -153,6 +157,7 @@ class GRPOTrainer:
         self.checkpoints = CheckpointManager(self.out / "checkpoints", cfg.checkpoint.keep_last, self.rank,
                                              checkpoint_hook)
         self.metrics = MetricsWriter(self.out, self.rank, actor.dp_rank, self.num_steps, cfg.run.log_every)
+        self._metric_sinks = metric_sinks if metric_sinks is not None else functools.partial(build_sinks, cfg)
         self.step = 0
         self._stop_signal: int | None = None
         self.history: list[dict] = []
@@ -391,7 +396,13 @@ class GRPOTrainer:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:
                 print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
-        self.metrics.truncate(self.step, resume)
+        self.metrics.start(self.step, self._metric_sinks(self.step) if self.is_logger else None, resume)
+        try:
+            return self._train_loop()
+        finally:
+            self.metrics.close()
+
+    def _train_loop(self) -> str:
         self._install_signal_handlers()
         every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0

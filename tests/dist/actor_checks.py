@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import engine_checks
@@ -95,6 +96,21 @@ def max_err(a: dict, b: dict) -> float:
 
 
 def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
+    # every FutureWarning / DeprecationWarning raised while the actor is built and used, each occurrence (what a
+    # user of the actor would see printed: deprecated calls the actor makes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        warnings.simplefilter("always", DeprecationWarning)
+        res = checks(rank, world, layout, port)
+    res["deprecations"] = sorted({f"{w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})"
+                                  for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))})
+    torch.save(res, Path(out_dir) / f"{layout}_rank{rank}.pt")
+    from laconic_nemo.megatron_env import destroy_distributed
+
+    destroy_distributed()
+
+
+def checks(rank: int, world: int, layout: str, port: int) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -103,7 +119,7 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.megatron_env import init_distributed
     from laconic_nemo.rollout import megatron_sampler
 
     tp, pp, kl_beta = LAYOUTS[layout]
@@ -240,8 +256,7 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     w2b = actor.full_state_dict()
     res["ckpt_bitwise"] = m2 == m2b and all(torch.equal(w2[k], w2b[k]) for k in w2)
     res["ckpt_step_changed_weights"] = max_err(w2, w_new) > 0
-    torch.save(res, Path(out_dir) / f"{layout}_rank{rank}.pt")
-    destroy_distributed()
+    return res
 
 
 def launch(layout: str, out: str, world: int = 2) -> None:

@@ -841,6 +841,8 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
         assert engine.stats.compactions >= 1
 
 
+@pytest.mark.nemo
+@nemo_skip
 def test_nemo_loggers_carry_every_metric_and_resume_without_duplicates(tmp_path, monkeypatch):
     """Through NeMo's exp_manager (its TensorBoardLogger and WandbLogger, W&B offline) on a CPU Lightning trainer:
     a run writes steps 1..3 and dies after its checkpoint of step 2; the resumed run (exp_manager again, restart

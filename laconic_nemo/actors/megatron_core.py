@@ -65,20 +65,6 @@ def resolve_choice(key: str, value: str, choices: tuple[str, ...], auto: str) ->
     return auto if value == "auto" else value
 
 
-def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
-    """The TP shards of ``t`` side by side: [b, n] on each of the tp ranks of ``group`` -> [b, tp * n] (rank r's
-    shard in columns r*n..(r+1)*n, as megatron's ``gather_from_tensor_model_parallel_region``), through torch's
-    ``all_gather_single`` (torch >= 2.13 deprecates the ``all_gather_into_tensor`` that megatron-core 0.11 calls;
-    older torch has only that). A copy of bytes: the result is bit for bit megatron's."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return t
-    t = t.contiguous()
-    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t, group=group)
-    return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
-
 
 def pad_vocab_size(vocab_size: int, tp: int) -> int:
     """Smallest multiple of ``tp`` that is >= vocab_size."""

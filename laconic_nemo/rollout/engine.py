@@ -84,6 +84,23 @@ ENGINE_SAMPLERS = ("exact", "device")
 DEFAULT_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 
 
+def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
+    """The TP shards of ``t`` side by side: [..., n] on each of the tp ranks of ``group`` -> [..., tp * n] (rank r's
+    shard in columns r*n..(r+1)*n, as megatron's ``gather_from_tensor_model_parallel_region``), through torch's
+    ``all_gather_single`` (torch >= 2.13 deprecates the ``all_gather_into_tensor`` that megatron-core 0.11 calls;
+    older torch has only that). A copy of bytes: the result is bit for bit megatron's."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
+    return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+
+
 @dataclass
 class EngineSettings:
     """The engine's knobs, the ``rollout.*`` keys of the same names (``laconic_nemo/config.py`` documents them).
@@ -430,7 +447,9 @@ class DecodeEngine:
             h = self.final_norm(h)
         m = self.model
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=weight, runtime_gather_output=True)
+        logits, _ = m.output_layer(h, weight=weight, runtime_gather_output=False)  # this rank's vocabulary shard
+        if self.tp > 1:
+            logits = gather_last_dim(logits, self._tp_group)
         return logits[..., : self.vocab_size].float()
 
     # ------------------------------------------------------------------ communication (no-ops at TP 1 / PP 1)

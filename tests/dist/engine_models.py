@@ -118,10 +118,10 @@ def build_model(arch: ModelArch, layout: str = "local", attention: str = "sdpa",
 def full_forward_logprobs(model, vocab_size: int, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T-1] from the model's own full forward (TP 1, PP 1 or a
     gathered TP output), at ``temperature``."""
-    from megatron.core import tensor_parallel
+    from reference_loop import megatron_gather
 
     pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand(*tokens.shape)
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(tokens, pos, None))[..., :vocab_size]
+    logits = megatron_gather(model(tokens, pos, None))[..., :vocab_size]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
 

@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
 from laconic_nemo.core.shapers import SHAPERS
-from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
+from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
 
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
 # the synthetic task labels its terms with the letters a..l (laconic_nemo.data.synthetic.LETTERS; a test checks)
@@ -143,7 +143,7 @@ when the checkpoint is not readable there""", ge=1)
     vocab_size: int = opt(64, "padded to a multiple of the TP size by the actor", ge=1)
     max_position_embeddings: int = opt(512, ge=2)
     precision: str = opt("fp32", "fp32 on CPU; bf16 on GPU", choices=("fp32", "bf16", "fp16"))
-    attention: str = opt("auto", choices=ATTENTION_CHOICES, above="""Core attention of the megatron-core GPT (laconic_nemo/kernels.py): te (TransformerEngine, NGC
+    attention: str = opt("auto", choices=ATTENTION_CHOICES, above="""Core attention of the megatron-core GPT (laconic_nemo/runtime/kernels.py): te (TransformerEngine, NGC
 container) | sdpa (torch scaled_dot_product_attention: flash / memory-efficient kernels on GPU) |
 local (megatron's unfused DotProductAttention, [b, heads, s, s] scores) | auto (te > sdpa on GPU,
 local on CPU). No parameters: checkpoints do not depend on it.""")

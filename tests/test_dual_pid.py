@@ -264,7 +264,7 @@ def _rank_worker(rank, world, port, q):
 def test_pid_ranks_agree_bit_for_bit_after_all_reduce():
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from laconic_nemo.config import load_config
-from laconic_nemo.launch_plan import plan_layout, render_commands
+from laconic_nemo.plan.cli import render_commands
+from laconic_nemo.plan.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"

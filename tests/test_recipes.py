@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from laconic_nemo.config import load_config
-from laconic_nemo.launch_plan import plan_layout
+from laconic_nemo.plan.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.startswith("tiny_cpu"))

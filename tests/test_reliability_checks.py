@@ -219,7 +219,7 @@ def test_config_differences_are_all_listed_and_allowed_keys_pass():
 # ---------------------------------------------------------------- item 6: collective timeout from the config
 COLLECTIVE = """
 import os, sys, time, torch, torch.distributed as dist
-from laconic_nemo.megatron_env import init_distributed
+from laconic_nemo.runtime.megatron_env import init_distributed
 from megatron.core import parallel_state
 init_distributed(1, 1, backend="gloo", timeout_s=3)
 if dist.get_rank() == 1:
@@ -234,7 +234,7 @@ except Exception as exc:
 
 
 def test_collectives_time_out_after_the_configured_seconds(tmp_path):
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     procs = []

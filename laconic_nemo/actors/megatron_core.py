@@ -1,6 +1,6 @@
 """Policy actor on bare megatron-core: GPTModel with tensor, pipeline and data parallelism.
 
-The same code runs on GPU over NCCL and on CPU over gloo (after :func:`laconic_nemo.megatron_env.
+The same code runs on GPU over NCCL and on CPU over gloo (after :func:`laconic_nemo.runtime.megatron_env.
 apply_cpu_patches`). Every method is SPMD: call it on every rank.
 
 * Forward and backward go through megatron's ``get_forward_backward_func()`` schedule over
@@ -40,7 +40,9 @@ import torch.distributed as dist
 from laconic_nemo.actors import memory
 from laconic_nemo.actors.packing import Pack, build_packs, cut_positions
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
-from laconic_nemo.kernels import (
+from laconic_nemo.rollout import megatron_sampler
+from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config
+from laconic_nemo.runtime.kernels import (
     REFERENCE_CHOICES,
     SAMPLER_CHOICES,
     fusion_flags,
@@ -48,9 +50,7 @@ from laconic_nemo.kernels import (
     resolve_attention,
     with_core_attention,
 )
-from laconic_nemo.megatron_env import ParallelInfo, parallel_info
-from laconic_nemo.rollout import megatron_sampler
-from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config
+from laconic_nemo.runtime.megatron_env import ParallelInfo, parallel_info
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 
@@ -221,7 +221,7 @@ class MegatronCoreActor:
         """Build from the OmegaConf of ``recipes/base.yaml`` (sections model, parallel, optim, grpo, run.seed).
 
         torch.distributed and megatron's parallel state must be initialised with the recipe's TP x PP (the entry
-        point calls :func:`laconic_nemo.megatron_env.init_distributed`); the actor does not initialise them.
+        point calls :func:`laconic_nemo.runtime.megatron_env.init_distributed`); the actor does not initialise them.
         model_provider: optional ``(pre_process, post_process) -> GPTModel`` (e.g. an architecture loaded
         from a Hugging Face checkpoint); the default builds the synthetic GPT of ``cfg.model``.
         ``cfg.model.vocab_size`` must be set either way (the real vocabulary; padding is internal).
@@ -981,7 +981,7 @@ def merge_rank_states(states: dict[tuple[int, int], dict[str, torch.Tensor]], tp
 
 def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
     """megatron TransformerConfig for the synthetic GPT (dropout 0; fp32 and fusions off on CPU, the available
-    fusions on GPU: :func:`laconic_nemo.kernels.fusion_flags`)."""
+    fusions on GPU: :func:`laconic_nemo.runtime.kernels.fusion_flags`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     precision = str(model_cfg.precision)
@@ -1021,7 +1021,7 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
 def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embeddings: int, pre_process: bool,
                     post_process: bool, attention: str = "local"):
     """megatron-core GPTModel with the local layer spec, core attention ``attention`` (a resolved
-    ``model.attention``, see :mod:`laconic_nemo.kernels`), RoPE, untied output."""
+    ``model.attention``, see :mod:`laconic_nemo.runtime.kernels`), RoPE, untied output."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 

@@ -15,11 +15,11 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from laconic_nemo.app.task import Task
-from laconic_nemo.faults import heartbeat
 from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.metrics import MetricSink
 from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
+from laconic_nemo.runtime.faults import heartbeat
 
 
 def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
@@ -63,7 +63,7 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
         # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
         heartbeat("export_hf", trainer.step)
         if is_logger:
-            from laconic_nemo.export import export_hf
+            from laconic_nemo.tools.export import export_hf
 
             ckpt = export_hf(trainer.out, trainer.out / "hf")
             print(f"exported {ckpt} as a Hugging Face model to {trainer.out / 'hf'}", flush=True)

@@ -75,16 +75,16 @@ def build_task(cfg: DictConfig) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from laconic_nemo.tokenizer_checks import load_hf_tokenizer
+    from laconic_nemo.plan.model_folder import load_hf_tokenizer
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
     from laconic_nemo.data.datasets import check_prompt_lengths
-    from laconic_nemo.launch_plan import _hf_config
+    from laconic_nemo.plan.layout import hf_config
 
-    hf = _hf_config(str(cfg.model.path)) or {}
+    hf = hf_config(str(cfg.model.path)) or {}
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
-    try:  # the pre-flight checked this already (laconic_nemo.preflight); under torchrun / srun too
+    try:  # the pre-flight checked this already (laconic_nemo.plan.preflight); under torchrun / srun too
         check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
                              int(cfg.rollout.max_new_tokens))
     except ValueError as exc:

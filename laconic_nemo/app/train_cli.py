@@ -20,7 +20,7 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free, hold_output_dir
+from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
 
@@ -74,8 +74,8 @@ def _install_early_stop() -> None:
 
 
 def run(args) -> int:
-    from laconic_nemo.faults import fault_point, heartbeat
-    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV, preflight_train
+    from laconic_nemo.plan.preflight import PREFLIGHT_DONE_ENV, preflight_train
+    from laconic_nemo.runtime.faults import fault_point, heartbeat
 
     launcher = "WORLD_SIZE" not in os.environ
     _install_early_stop()
@@ -172,7 +172,7 @@ def _watchdog_bound(beats: list[dict | None], watchdog_s: float, step_factor: fl
 
 def _stall_report(procs, heartbeat_dir: str, bound: float, why: str) -> str:
     """Which rank stalled: a stopped process first, else the one whose last progress is oldest."""
-    from laconic_nemo.faults import process_state, read_heartbeat
+    from laconic_nemo.runtime.faults import process_state, read_heartbeat
 
     now = time.time()
     rows = []
@@ -245,9 +245,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     rank's exit status (1 when it died on a signal)."""
     import tempfile
 
-    from laconic_nemo.faults import HEARTBEAT_ENV, read_heartbeat
-    from laconic_nemo.megatron_env import free_port
-    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV
+    from laconic_nemo.plan.preflight import PREFLIGHT_DONE_ENV
+    from laconic_nemo.runtime.faults import HEARTBEAT_ENV, read_heartbeat
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     heartbeat_dir = tempfile.mkdtemp(prefix="laconic_heartbeat_")
@@ -368,8 +368,8 @@ def train(cfg: DictConfig) -> int:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.run import run as run_grpo
     from laconic_nemo.app.task import build_task
-    from laconic_nemo.faults import heartbeat
-    from laconic_nemo.megatron_env import cpu_threads, destroy_distributed, init_distributed
+    from laconic_nemo.runtime.faults import heartbeat
+    from laconic_nemo.runtime.megatron_env import cpu_threads, destroy_distributed, init_distributed
 
     torch.set_num_threads(cpu_threads())
     info = init_distributed(cfg.parallel.tensor_model_parallel_size,
@@ -420,7 +420,7 @@ def train(cfg: DictConfig) -> int:
 
 def main(argv=None) -> int:
     if os.environ.get(LAUNCHER_PID_ENV):  # a rank started by launch_local
-        from laconic_nemo.grpo.parent_death import die_with_parent
+        from laconic_nemo.runtime.parent_death import die_with_parent
 
         die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
     parser = argparse.ArgumentParser(prog="laconic-nemo")

@@ -19,12 +19,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.config import ConfigError
-from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.checkpoint import CheckpointManager, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.metrics import ProgressClock
 from laconic_nemo.grpo.trainer import allreduce_sum
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 
 @runtime_checkable
@@ -110,8 +110,8 @@ def supervised_warmup(
 # a micro-batch split, an initialiser) changes the policy, so it is part of the cache key.
 WARMUP_MODULES = (
     "laconic_nemo.app.warmup", "laconic_nemo.app.task", "laconic_nemo.data.synthetic", "laconic_nemo.grpo.loss",
-    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.megatron_env",
-    "laconic_nemo.kernels",
+    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.runtime.megatron_env",
+    "laconic_nemo.runtime.kernels",
 )
 WARMUP_FUNCTIONS = (("laconic_nemo.grpo.trainer", "allreduce_sum"),)
 META = "meta.json"
@@ -165,8 +165,8 @@ def warmup_cache_key(cfg: DictConfig, world_size: int | None = None, threads: in
     and micro-batch order, the world size, the CPU threads per process, the code (:func:`warmup_code_digest`) and
     the library versions. world_size: the run's number of processes (default: this launch's ``WORLD_SIZE``);
     threads: torch's intra-op threads of the warm-up (default: the entry points' setting,
-    :func:`laconic_nemo.megatron_env.cpu_threads`)."""
-    from laconic_nemo.megatron_env import cpu_threads
+    :func:`laconic_nemo.runtime.megatron_env.cpu_threads`)."""
+    from laconic_nemo.runtime.megatron_env import cpu_threads
 
     key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)

@@ -116,7 +116,7 @@ def run_config(path: str | Path):
     unknown) as a second value."""
     from omegaconf import OmegaConf
 
-    from laconic_nemo.export import STATE, ExportError, resolve_checkpoint
+    from laconic_nemo.tools.export import STATE, ExportError, resolve_checkpoint
 
     p = Path(path)
     try:
@@ -148,7 +148,7 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
     from omegaconf import OmegaConf
 
     from laconic_nemo.actors.megatron_core import merge_rank_states
-    from laconic_nemo.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
+    from laconic_nemo.tools.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
 
     p = Path(path)
     shard_files = {f for f in p.iterdir() if SHARD.match(f.name)} if p.is_dir() else set()
@@ -194,7 +194,7 @@ class MegatronBackend:
 
         from laconic_nemo.actors.megatron_core import MegatronCoreActor
         from laconic_nemo.data.synthetic import CharTokenizer
-        from laconic_nemo.megatron_env import init_distributed
+        from laconic_nemo.runtime.megatron_env import init_distributed
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

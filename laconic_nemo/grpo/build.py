@@ -9,14 +9,11 @@ after the cluster has allocated its GPUs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from laconic_nemo.core import SHAPERS, DualController, Shaper, group_advantages
+from laconic_nemo.core import SHAPERS, DualController, Shaper
 
 
 def build_shaper(cfg: DictConfig) -> Shaper:
@@ -62,123 +59,3 @@ def loss_settings(cfg: DictConfig) -> dict[str, Any]:
         "kl_beta": float(g.kl_beta),
         "aggregation": str(g.loss_aggregation),
     }
-
-
-@dataclass
-class StepOneBuild:
-    """What :func:`build_step_one` built (plain values, printable and JSON-serialisable)."""
-
-    shaper: str
-    lambda_init: float
-    dual: dict | None             # DualController settings (budget, eta, ceiling, floor, controller, kp, kd)
-    advantages: dict
-    loss: dict
-    reward: str
-    count_eos: bool
-    prompt_template: str
-    tokenizer: str | None = None  # what was loaded, or None when its path is not here
-    prompt_preview: str | None = None
-    warnings: list[str] = field(default_factory=list)
-
-
-def _tokenizer_path(cfg: DictConfig, hf_model: str | None) -> str | None:
-    path = hf_model if cfg.model.source == "nemo" else (cfg.model.path if cfg.model.source == "hf" else None)
-    return str(path) if path and Path(str(path)).is_dir() else None
-
-
-def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any = None) -> StepOneBuild:
-    """Build, on CPU, what the trainer builds before step 1 and needs no GPU; raise ValueError on failure.
-
-    Shaper + lambda controller (and one shaping call, one dual step on a copy), the advantage settings
-    (one call), the GRPO loss (one forward / backward on a 2 x 3 toy batch), the reward function (math:
-    MathReward without starting its workers; synthetic: the task's checker), and, when the paths exist
-    here, the tokenizer (HF directory: ``model.path``, or ``hf_model`` for a .nemo recipe) and the prompt
-    template applied to the first row of the first data file. Nothing is allocated on a GPU and no
-    process is started. ``tokenizer``: that folder's tokenizer when the caller has loaded it already
-    (``plan``'s folder checks do), so it is not loaded twice; None loads it here.
-    """
-    from laconic_nemo.grpo.interfaces import TrainBatch
-    from laconic_nemo.grpo.loss import make_grpo_loss_fn
-
-    G = cfg.grpo.group_size
-    shaper, controller = build_shaper(cfg), build_dual(cfg)
-    lam = controller.value if controller is not None else constant_lambda(cfg)
-    lmax = cfg.rollout.max_new_tokens
-    lengths = torch.tensor([[1, lmax][i % 2] for i in range(G)], dtype=torch.long)
-    shaped, _ = shaper(torch.linspace(0.0, 1.0, G), lengths, lengths >= lmax, G, lam,
-                       torch.full((G,), float(lmax)) if shaper.fn.needs_targets else None)
-    adv = group_advantages(shaped, G, **advantage_settings(cfg))
-    dual = None
-    if controller is not None:
-        import copy
-
-        copy.deepcopy(controller).update(float(lengths.float().mean()))
-        dual = {k: v for k, v in controller.state_dict().items()
-                if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
-
-    loss_kw = loss_settings(cfg)
-    mask = torch.ones(2, 3)
-    fn = make_grpo_loss_fn(**loss_kw, global_num_tokens=6.0, global_num_seqs=2.0)
-    logp = (-torch.rand(2, 3)).requires_grad_(True)
-    batch = TrainBatch(tokens=torch.zeros(2, 4, dtype=torch.long), prompt_lengths=torch.ones(2, dtype=torch.long),
-                       response_lengths=torch.full((2,), 3, dtype=torch.long), response_mask=mask,
-                       advantages=adv[:2].float() if G >= 2 else torch.zeros(2), old_logprobs=logp.detach() - 0.1,
-                       ref_logprobs=logp.detach() if loss_kw["kl_beta"] > 0 else None)
-    loss, _ = fn(logp, batch)
-    loss.backward()
-
-    out = StepOneBuild(
-        shaper=shaper.name, lambda_init=float(lam), dual=dual,
-        advantages=advantage_settings(cfg), loss=loss_kw, reward="", count_eos=cfg.laconic.count_eos,
-        prompt_template=str(cfg.data.prompt_template),
-    )
-    if cfg.reward.kind == "math":
-        from laconic_nemo.rewards.format import build_reward_fn
-
-        _, grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))
-        grader.close()
-        out.reward = (f"math ({cfg.reward.format}, format_weight {cfg.reward.format_weight:g}, "
-                      f"{cfg.reward.num_workers} workers)")
-    else:
-        out.reward = "synthetic"
-
-    if cfg.data.kind == "math":
-        _preview(cfg, out, _tokenizer_path(cfg, hf_model), tokenizer)
-    return out
-
-
-def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:
-    """Tokenizer and the template applied to the first data row, each only when its path exists here
-    (``tok``: the tokenizer of ``tok_path`` if already loaded)."""
-    from laconic_nemo.data.datasets import chat_messages, check_row, read_rows, render
-
-    template = str(cfg.data.prompt_template)
-    render(template, "")  # an unknown template name fails here, with or without data
-    files = [str(f) for f in cfg.data.train_files]
-    row = None
-    if files and Path(files[0]).is_file():
-        rows = read_rows(files[0])
-        if not rows:
-            raise ValueError(f"data.train_files: {files[0]} has no rows")
-        loc, row = rows[0]
-        check_row(row, f"{files[0]} {loc}")
-        out.prompt_preview = render(template, str(row["problem"]))
-    if tok_path is None:
-        return
-    if tok is None:
-        from laconic_nemo.tokenizer_checks import load_hf_tokenizer
-
-        tok = load_hf_tokenizer(tok_path)
-    if tok.eos_token_id is None:
-        raise ValueError(f"model.path: the tokenizer at {tok_path} has no EOS token")
-    out.tokenizer = f"{type(tok).__name__} from {tok_path} ({len(tok)} tokens, eos {tok.eos_token!r})"
-    problem = str(row["problem"]) if row is not None else "What is 1 + 1?"
-    messages = chat_messages(template, problem)
-    if messages is not None and getattr(tok, "chat_template", None):
-        own = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if own != render(template, problem):
-            out.warnings.append(f"data.prompt_template = {template} differs from the checkpoint's own chat template "
-                                f"for the same turn: template {render(template, problem)!r} vs chat template {own!r}")
-    if out.prompt_preview is not None:
-        ids = tok.encode(out.prompt_preview, add_special_tokens=False)
-        out.prompt_preview += f"   [{len(ids)} tokens]"

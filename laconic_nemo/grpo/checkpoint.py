@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.resume import MANIFEST, METRICS_COPY, read_manifest, read_metrics
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 
 class CheckpointWriteError(OSError):

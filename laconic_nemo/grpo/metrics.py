@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from laconic_nemo.config import ConfigError
-from laconic_nemo.faults import armed, fire
+from laconic_nemo.runtime.faults import armed, fire
 
 WANDB_STATE = "laconic_run.json"
 

@@ -41,7 +41,6 @@ from omegaconf import DictConfig, OmegaConf
 from laconic_nemo.config import check_layout
 from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.faults import fault_point, heartbeat
 from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
 from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, barrier, dist_ready, find_resume_checkpoint
 from laconic_nemo.grpo.interfaces import (
@@ -54,6 +53,7 @@ from laconic_nemo.grpo.interfaces import (
 )
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 from laconic_nemo.grpo.metrics import MetricSink, MetricsWriter, build_sinks
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 # (responses, reference answers) -> (scores in [0, 1], metrics)
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]

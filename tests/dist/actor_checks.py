@@ -105,7 +105,7 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     res["deprecations"] = sorted({f"{w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})"
                                   for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))})
     torch.save(res, Path(out_dir) / f"{layout}_rank{rank}.pt")
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed
 
     destroy_distributed()
 
@@ -119,7 +119,7 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import init_distributed
+    from laconic_nemo.runtime.megatron_env import init_distributed
     from laconic_nemo.rollout import megatron_sampler
 
     tp, pp, kl_beta = LAYOUTS[layout]
@@ -262,7 +262,7 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
 def launch(layout: str, out: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     mp.spawn(run, args=(world, layout, port, out), nprocs=world, join=True)

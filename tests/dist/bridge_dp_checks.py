@@ -65,7 +65,7 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(hf_path)
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
@@ -114,6 +114,6 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 def launch(hf_path: str, out: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     mp.spawn(run, args=(world, free_port(), hf_path, out), nprocs=world, join=True)

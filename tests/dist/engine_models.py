@@ -58,7 +58,7 @@ def te_shaped_spec(arch: ModelArch, attention: str = "sdpa"):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from laconic_nemo.kernels import core_attention_module
+    from laconic_nemo.runtime.kernels import core_attention_module
 
     return ModuleSpec(
         module=TransformerLayer,

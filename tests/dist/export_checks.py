@@ -40,7 +40,7 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(*LAYOUTS[layout], model_dir, run_dir)
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
@@ -69,7 +69,7 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
 def launch(layout: str, model_dir: str, run_dir: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     mp.spawn(run, args=(world, layout, port, model_dir, run_dir), nprocs=world, join=True)

@@ -39,7 +39,7 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(run_dir)
     info = init_distributed(2, 1, backend="gloo", seed=int(cfg.run.seed))
@@ -70,7 +70,7 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
 def launch(run_dir: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     mp.spawn(run, args=(world, free_port(), run_dir), nprocs=world, join=True)
 

@@ -3,11 +3,11 @@
 ``laconic-nemo plan`` and ``laconic-nemo train`` run the same checks of a recipe, :func:`check_recipe`
 (``plan`` for the cluster layout it is given, ``train`` for this machine's): the typed config (keys,
 types, every field's range and the rules across keys, :mod:`laconic_nemo.config`), the layout
-(:func:`laconic_nemo.launch_plan.plan_layout`: heads / layers vs TP / PP, batch divisibility, the
+(:func:`laconic_nemo.plan.layout.plan_layout`: heads / layers vs TP / PP, batch divisibility, the
 context window, which data goes with which model), model and data paths, every row of every data file,
 the checkpoint folder's tokenizer, every prompt's length in its tokens (room for rollout.max_new_tokens
 in the context), and what the trainer builds before step 1 without a GPU
-(:func:`laconic_nemo.grpo.build.build_step_one`). So ``plan`` refuses what ``train`` would refuse.
+(:func:`laconic_nemo.plan.step_one.build_step_one`). So ``plan`` refuses what ``train`` would refuse.
 
 ``train`` calls :func:`preflight_train` in the launcher (or, under torchrun / srun, in every rank
 before torch.distributed starts), which adds what only a training run on this machine needs:
@@ -62,8 +62,9 @@ def check_recipe(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = 
 
     cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine. gpu_memory_gib: one GPU's
     memory (the decode engine's KV cache must fit; ``plan --gpu-memory-gib``). Raises ConfigError."""
-    from laconic_nemo.grpo.build import build_step_one
-    from laconic_nemo.launch_plan import check_model_folder, plan_layout
+    from laconic_nemo.plan.layout import plan_layout
+    from laconic_nemo.plan.model_folder import check_model_folder
+    from laconic_nemo.plan.step_one import build_step_one
 
     try:
         plan = plan_layout(cfg, nodes, gpus_per_node, recipe=recipe, hf_model=hf_model, check_paths=check_paths,
@@ -88,10 +89,10 @@ def check_recipe(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = 
 def _check_prompts(cfg: DictConfig, tok: Any, folder: str) -> None:
     """Every data row's prompt, tokenised as the trainer does, leaves room for rollout.max_new_tokens."""
     from laconic_nemo.data.datasets import check_prompt_lengths, load_math_prompts
-    from laconic_nemo.launch_plan import _hf_config
+    from laconic_nemo.plan.layout import hf_config
 
     items = load_math_prompts([str(f) for f in cfg.data.train_files], str(cfg.data.prompt_template))
-    context = int((_hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))
+    context = int((hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))
     check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
                          int(cfg.rollout.max_new_tokens))
 

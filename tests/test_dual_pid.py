@@ -229,10 +229,10 @@ def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_
 
 
 def test_tiny_cpu_pid_recipe_differs_from_tiny_cpu_only_in_the_controller():
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_dict
 
     base, pid = load_config("tiny_cpu"), load_config("tiny_cpu_pid")
-    a, b = OmegaConf.to_container(base), OmegaConf.to_container(pid)
+    a, b = to_dict(base), to_dict(pid)
     diff = {k for k in a["laconic"] if a["laconic"][k] != b["laconic"][k]}
     assert diff == {"controller", "eta", "kp"}
     a.pop("laconic"), b.pop("laconic")

@@ -329,13 +329,13 @@ def fake_checkpoint(out: Path, overrides: list[str], step: int = 2, world_size: 
                     copy: bool = False) -> Path:
     """A complete checkpoint folder as the trainer writes it (what the pre-flight reads: trainer_state.json with
     the resolved config), ``rows`` rows of metrics.jsonl (default: ``step``) and optionally their copy."""
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_dict
 
     cfg = load_config(TINY, [*overrides, f"run.output_dir={out}"])
     ckpt = out / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
     state = {"step": step, "world_size": world_size, "dp_size": 1, "shaper": {},
-             "config": OmegaConf.to_container(cfg, resolve=True)}
+             "config": to_dict(cfg)}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     lines = "".join(json.dumps({"step": s, "lambda": 0.0}) + "\n" for s in range(1, step + 1))
     (out / "metrics.jsonl").write_text("".join(lines.splitlines(True)[: step if rows is None else rows]))
@@ -451,7 +451,6 @@ def test_schema_walk_every_ranged_key_out_of_range_is_refused_before_launch(caps
     config boundary both commands load recipes through (config.validate_config, called by load_config), naming
     the key and its allowed range; for the first ranged key of every section, `train` and `plan` exit 2 with that
     line before anything starts (the path is the same for every key: load_config, then exit 2)."""
-    import copy
 
     from omegaconf import OmegaConf
 
@@ -465,7 +464,7 @@ def test_schema_walk_every_ranged_key_out_of_range_is_refused_before_launch(caps
             typed = float("inf") if value == ".inf" else value if isinstance(value, str) else kind(value)
             shown = repr(typed)
             needle = f"{key} = {shown} is invalid: allowed {allowed}"
-            cfg = copy.deepcopy(valid)
+            cfg = OmegaConf.structured(valid)  # the loaded values, as the boundary receives them
             OmegaConf.update(cfg, key, typed)
             with pytest.raises(ConfigError) as err:
                 validate_config(cfg)

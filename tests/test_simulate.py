@@ -227,9 +227,9 @@ def test_dual_controllers_benchmark_prints_measured_beside_predicted(capsys, tmp
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(MAIN.read_text())
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_yaml
 
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(bench.load_config("tiny_cpu_pid", ["laconic.eta=0.02",
+    (run / "config.yaml").write_text(to_yaml(bench.load_config("tiny_cpu_pid", ["laconic.eta=0.02",
                                                                                          "laconic.kp=2.0"])))
     assert bench.run_recipe(run, "tiny_cpu_pid") == str(run / "config.yaml")
     assert bench.main(["--integral", str(MAIN), "--pid", str(run), "--seeds", "4"]) == 0

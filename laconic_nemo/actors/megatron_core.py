@@ -238,7 +238,7 @@ class MegatronCoreActor:
             from laconic_nemo.bridge import arch_from_hf_config
             from laconic_nemo.bridge.megatron import actor_kwargs
 
-            hf_path = str(model_cfg["path"])
+            hf_path = str(model_cfg.path)
             arch = arch_from_hf_config(hf_path)
             dtype = torch.bfloat16 if str(model_cfg.precision) == "bf16" else None
             parts = actor_kwargs(arch, tp, pp, cpu=not on_gpu, dtype=dtype, attention=attention)
@@ -246,7 +246,7 @@ class MegatronCoreActor:
             vocab_size, padded = parts["vocab_size"], parts["padded_vocab_size"]
         else:
             tconfig = build_transformer_config(model_cfg, tp, pp, on_gpu=on_gpu)
-            vocab_size = int(model_cfg["vocab_size"])
+            vocab_size = int(model_cfg.vocab_size)
             padded = pad_vocab_size(vocab_size, tp)
         if model_provider is None:
             max_pos = int(model_cfg.max_position_embeddings)
@@ -260,7 +260,7 @@ class MegatronCoreActor:
             model_provider,
             vocab_size=vocab_size,
             padded_vocab_size=padded,
-            lr=float(optim["lr"]),
+            lr=float(optim.lr),
             weight_decay=float(optim.weight_decay),
             adam_beta1=float(optim.adam_beta1),
             adam_beta2=float(optim.adam_beta2),
@@ -989,19 +989,19 @@ def build_transformer_config(model_cfg: Any, tp: int, pp: int, on_gpu: bool):
         raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
     if precision == "bf16" and not on_gpu:
         raise ValueError("model.precision=bf16 needs a GPU; use fp32 on CPU")
-    num_layers = int(model_cfg["num_layers"])
+    num_layers = int(model_cfg.num_layers)
     if num_layers % pp != 0:
         raise ValueError(f"model.num_layers={num_layers} must be divisible by pipeline_model_parallel_size={pp}")
-    heads = int(model_cfg["num_attention_heads"])
+    heads = int(model_cfg.num_attention_heads)
     if heads % tp != 0:
         raise ValueError(f"model.num_attention_heads={heads} must be divisible by tensor_model_parallel_size={tp}")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    groups = model_cfg.get("num_query_groups")
+    groups = model_cfg.num_query_groups
     if groups is not None and int(groups) % tp != 0:
         raise ValueError(f"model.num_query_groups={groups} must be divisible by tensor_model_parallel_size={tp}")
     return TransformerConfig(
         num_layers=num_layers,
-        hidden_size=int(model_cfg["hidden_size"]),
+        hidden_size=int(model_cfg.hidden_size),
         num_attention_heads=heads,
         num_query_groups=None if groups is None else int(groups),
         ffn_hidden_size=int(model_cfg.ffn_hidden_size),

@@ -43,7 +43,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.app.train_cli import _EARLY_SIGNAL, _install_early_stop
-from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.plan.model_folder import (  # noqa: F401 - END_STRINGS_KEY: this module's name of it, for callers
     END_OF_SEQ,
     END_STRINGS_KEY,
@@ -60,7 +60,7 @@ def early_signal() -> int | None:
     return _EARLY_SIGNAL[0] if _EARLY_SIGNAL else None
 
 
-def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
+def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
                       resume_step: int = 0, rank: int = 0) -> DictConfig:
     """The NeMo-Aligner (0.7.0 ``gpt_reinforce_actor.yaml`` layout) config for a recipe.
 
@@ -180,7 +180,7 @@ def apply_end_strings(model, requested: list[str] | None) -> list[str]:
     return ends
 
 
-def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
+def prepare(cfg: Config, hf_model: str | None, run=subprocess.call) -> int:
     """Convert ``hf_model`` to ``model.path`` if that .nemo is missing: one conversion per target at a time across
     jobs, in a scratch folder of its own, renamed onto ``model.path`` when complete
     (:func:`laconic_nemo.tools.convert_qwen2.convert_to_target`). ``run(command) -> exit status`` runs the converter."""
@@ -242,7 +242,7 @@ def export_policy_nemo(model, output_dir: str | Path, rank: int) -> Path:
     return export / EXPORT_NEMO
 
 
-def resume_step(cfg: DictConfig) -> int:
+def resume_step(cfg: Config) -> int:
     """The step of the checkpoint this run resumes (0: a fresh start), from its ``trainer_state.json``."""
     from laconic_nemo.grpo.checkpoint import find_resume_checkpoint
     from laconic_nemo.grpo.resume import read_trainer_state
@@ -251,7 +251,7 @@ def resume_step(cfg: DictConfig) -> int:
     return 0 if found is None else int(read_trainer_state(found)["step"])
 
 
-def nemo_resume_path(cfg: DictConfig) -> str | None:
+def nemo_resume_path(cfg: Config) -> str | None:
     """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
 
     Uses :func:`laconic_nemo.grpo.checkpoint.find_resume_checkpoint` (``checkpoint.resume`` auto / never /
@@ -271,7 +271,7 @@ def nemo_resume_path(cfg: DictConfig) -> str | None:
     return str(folder)
 
 
-def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
+def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
     import torch
     from nemo.utils.exp_manager import exp_manager
 
@@ -337,7 +337,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
                              engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
                                                                          on_gpu=torch.cuda.is_available()))
 
-    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
+    reward_fn, _grader = build_reward_fn(cfg.reward)
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     from laconic_nemo.grpo.metrics import nemo_sinks

@@ -12,9 +12,8 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from omegaconf import DictConfig
-
 from laconic_nemo.app.task import Task
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.metrics import MetricSink
@@ -22,7 +21,7 @@ from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
 from laconic_nemo.runtime.faults import heartbeat
 
 
-def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
+def run(cfg: Config, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
         early_signal: int | None = None, metric_sinks: Callable[[int], list[MetricSink]] | None = None) -> int:
     """Train ``actor`` on ``task`` for ``cfg.run.num_steps`` steps (every rank, SPMD).
 

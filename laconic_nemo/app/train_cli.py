@@ -17,9 +17,7 @@ import sys
 import threading
 import time
 
-from omegaconf import DictConfig, OmegaConf
-
-from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
@@ -360,7 +358,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     return 0
 
 
-def train(cfg: DictConfig) -> int:
+def train(cfg: Config) -> int:
     """The megatron-core entry point (every rank): torch.distributed, the output-dir lock, the task, the actor
     (and its vLLM engine), then :func:`laconic_nemo.app.run.run`."""
     import torch
@@ -393,7 +391,7 @@ def train(cfg: DictConfig) -> int:
             return 2
         task = build_task(cfg)
         if task.vocab_size is not None:
-            OmegaConf.update(cfg, "model.vocab_size", task.vocab_size)
+            cfg.model.vocab_size = task.vocab_size  # the synthetic GPT's vocabulary is its tokenizer's
         heartbeat("build model")
         actor = MegatronCoreActor.from_config(cfg)
         heartbeat("build trainer")
@@ -404,7 +402,7 @@ def train(cfg: DictConfig) -> int:
             from laconic_nemo.rollout.vllm import VLLMRolloutEngine
 
             actor.attach_rollout_engine(VLLMRolloutEngine.from_recipe(
-                OmegaConf.to_container(cfg, resolve=True), str(cfg.model.path),
+                cfg, str(cfg.model.path),
                 arch_from_hf_config(str(cfg.model.path)), pad_id=task.pad_id))
         elif cfg.rollout.engine != "megatron":
             raise ConfigError(f"rollout.engine = {cfg.rollout.engine}: the megatron-core actor supports megatron "

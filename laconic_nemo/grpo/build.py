@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
-
+from laconic_nemo.config import Config
 from laconic_nemo.core import SHAPERS, DualController, Shaper
 
 
-def build_shaper(cfg: DictConfig) -> Shaper:
+def build_shaper(cfg: Config) -> Shaper:
     """The recipe's reward shaper (a registered function and its ``laconic:`` settings); the recipe was checked at
     load time, :func:`needs_targets_range` aside."""
     lc = cfg.laconic
@@ -28,7 +27,7 @@ def build_shaper(cfg: DictConfig) -> Shaper:
                   overlong_penalty=lc.overlong_penalty)
 
 
-def build_dual(cfg: DictConfig) -> DualController | None:
+def build_dual(cfg: Config) -> DualController | None:
     """The lambda controller of an adaptive shaper (laconic, linear); None for the others."""
     lc = cfg.laconic
     if SHAPERS[lc.shaper].lam != "dual":
@@ -37,18 +36,18 @@ def build_dual(cfg: DictConfig) -> DualController | None:
                           init=lc.lambda_init, floor=lc.floor, controller=lc.controller, kp=lc.kp, kd=lc.kd)
 
 
-def constant_lambda(cfg: DictConfig) -> float:
+def constant_lambda(cfg: Config) -> float:
     """lambda of a shaper without a controller: laconic.lambda_init for ``fixed``, 0 for the others."""
     return cfg.laconic.lambda_init if SHAPERS[cfg.laconic.shaper].lam == "fixed" else 0.0
 
 
-def advantage_settings(cfg: DictConfig) -> dict[str, Any]:
+def advantage_settings(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of :func:`laconic_nemo.core.group_advantages` from ``grpo:``."""
     g = cfg.grpo
     return {"eps": float(g.advantage_eps), "leave_one_out": bool(g.leave_one_out), "std": str(g.advantage_std)}
 
 
-def loss_settings(cfg: DictConfig) -> dict[str, Any]:
+def loss_settings(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of :func:`laconic_nemo.grpo.loss.make_grpo_loss_fn` from ``grpo:`` (without the
     per-minibatch global token / sequence counts)."""
     g = cfg.grpo

@@ -32,8 +32,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.resume import MANIFEST, METRICS_COPY, read_manifest, read_metrics
 from laconic_nemo.runtime.faults import fault_point, heartbeat
@@ -142,7 +142,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def find_resume_checkpoint(cfg: DictConfig, notes: list[str] | None = None) -> Path | None:
+def find_resume_checkpoint(cfg: Config, notes: list[str] | None = None) -> Path | None:
     """The complete, intact checkpoint to resume (``checkpoint.resume`` auto / never / a folder, see
     :func:`laconic_nemo.grpo.resume.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible.
     ``notes`` receives a line per damaged checkpoint skipped."""

@@ -36,9 +36,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from laconic_nemo.config import check_layout
+from laconic_nemo.config import Config, check_layout, to_dict, to_yaml
 from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
 from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
@@ -125,7 +125,7 @@ class GRPOTrainer:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         actor: PolicyActor,
         encode: Callable[[str], list[int]],
         decode: Callable[[Sequence[int]], str],
@@ -325,7 +325,7 @@ class GRPOTrainer:
             "shaper": shaper_state(self.shaper.name, self.dual),
             "world_size": self.world,
             "dp_size": self.actor.dp_size,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": to_dict(self.cfg),
         }
 
     def save_checkpoint(self, step: int) -> Path:
@@ -375,7 +375,7 @@ class GRPOTrainer:
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
-        allowed = check_resume_config(path, state.get("config", {}), OmegaConf.to_container(self.cfg, resolve=True),
+        allowed = check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
                                       list(self.cfg.checkpoint.resume_allow_changes or []),
                                       OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
         # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
@@ -389,7 +389,7 @@ class GRPOTrainer:
         """Train until ``run.num_steps``; returns "finished" or "preempted"."""
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+            (self.out / "config.yaml").write_text(to_yaml(self.cfg))
         barrier()
         resume = self._verified_resume_checkpoint()
         if resume is not None:

@@ -21,9 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.plan.layout import ROLLOUT_ENGINES, Plan
 from laconic_nemo.plan.model_folder import split_overrides
 
@@ -57,7 +55,7 @@ def srun_prefix(nodes: int, ntasks_per_node: int, container: str, mounts: str, g
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def render_commands(plan: Plan, cfg: DictConfig, recipe: str, overrides: list[str], container: str, mounts: str,
+def render_commands(plan: Plan, cfg: Config, recipe: str, overrides: list[str], container: str, mounts: str,
                     hf_model: str | None = None) -> list[str]:
     """The srun lines a launch runs, in order: plan (validation in the container), prepare (HF -> .nemo
     conversion, skipped inside when model.path exists), train (one task per GPU)."""

@@ -14,9 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from laconic_nemo.config import LayoutError, check_layout
+from laconic_nemo.config import Config, LayoutError, check_layout
 
 
 @dataclass
@@ -96,7 +94,7 @@ def hf_config(path: str | None) -> dict | None:
     return None
 
 
-def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
+def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
                 check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0) -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
 
@@ -233,7 +231,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     )
 
 
-def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
+def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
                    samples_per_rank: int, max_positions: int):
     """The decode engine's KV cache on one GPU (:class:`laconic_nemo.rollout.kv_cache.KVCacheShape`): rows
     ``rollout.kv_cache_rows`` (null: the responses per DP rank), positions ``rollout.max_prompt_length +
@@ -249,7 +247,7 @@ def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: in
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
 
 
-def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
+def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
     """The megatron-core actor's training memory on one H100 80 GB by :mod:`laconic_nemo.actors.memory`: the
     activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single row up to L_max;
     unpacked: micro_batch_size rows of L_max) and the recompute setting that fits (``grpo.recompute_layers``:
@@ -285,7 +283,7 @@ def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_ba
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
 
 
-def _synthetic_context(cfg: DictConfig, max_pos: int) -> None:
+def _synthetic_context(cfg: Config, max_pos: int) -> None:
     """The synthetic task's longest prompt + L_max, and its longest warm-up example, fit the context window
     (laconic_nemo.data.synthetic: prompt ``Q:`` + 2 tokens per term + newline; a worked answer 5 tokens per
     term + 9, after up to max_filler 5-token filler phrases, + EOS)."""

@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from laconic_nemo.config import LayoutError
+from laconic_nemo.config import Config, LayoutError
 
 END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
 
@@ -136,7 +136,7 @@ def hf_text_to_ids(tok) -> TextToIds:
     return lambda text: tok.convert_tokens_to_ids(tok.tokenize(text))
 
 
-def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
+def check_model_folder(cfg: Config, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
     """Check the HF folder of a launch when it exists here (``--hf-model`` for ``model.source: nemo``,
     ``model.path`` for ``hf``): a folder to convert must suit NeMo's Qwen2 converter, the tokenizer must
     load, and for the NeMo sampler every end string must be a single token (built from the tokenizer, or

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from laconic_nemo.config import Config
 from laconic_nemo.core import group_advantages
 from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
 from laconic_nemo.grpo.interfaces import TrainBatch
@@ -36,12 +36,12 @@ class StepOneBuild:
     warnings: list[str] = field(default_factory=list)
 
 
-def _tokenizer_path(cfg: DictConfig, hf_model: str | None) -> str | None:
+def _tokenizer_path(cfg: Config, hf_model: str | None) -> str | None:
     path = hf_model if cfg.model.source == "nemo" else (cfg.model.path if cfg.model.source == "hf" else None)
     return str(path) if path and Path(str(path)).is_dir() else None
 
 
-def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any = None) -> StepOneBuild:
+def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = None) -> StepOneBuild:
     """Build, on CPU, what the trainer builds before step 1 and needs no GPU; raise ValueError on failure.
 
     Shaper + lambda controller (and one shaping call, one dual step on a copy), the advantage settings
@@ -85,7 +85,7 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
     if cfg.reward.kind == "math":
         from laconic_nemo.rewards.format import build_reward_fn
 
-        _, grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))
+        _, grader = build_reward_fn(cfg.reward)
         grader.close()
         out.reward = (f"math ({cfg.reward.format}, format_weight {cfg.reward.format_weight:g}, "
                       f"{cfg.reward.num_workers} workers)")
@@ -97,7 +97,7 @@ def build_step_one(cfg: DictConfig, hf_model: str | None = None, tokenizer: Any 
     return out
 
 
-def _preview(cfg: DictConfig, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:
+def _preview(cfg: Config, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:
     """Tokenizer and the template applied to the first data row, each only when its path exists here
     (``tok``: the tokenizer of ``tok_path`` if already loaded)."""
     from laconic_nemo.data.datasets import chat_messages, check_row, read_rows, render

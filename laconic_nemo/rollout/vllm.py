@@ -37,6 +37,7 @@ import torch
 
 from laconic_nemo.bridge.arch import ModelArch
 from laconic_nemo.bridge.mapping import iter_hf_tensors
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
 
 
@@ -236,17 +237,16 @@ class VLLMRolloutEngine:
         return result
 
     @classmethod
-    def from_recipe(cls, cfg, model_path: str, arch: ModelArch, **kwargs) -> "VLLMRolloutEngine":
-        """Build from a recipe: ``rollout.vllm.*`` keys (when present) override the defaults."""
-        extra = dict(cfg.get("rollout", {}).get("vllm", {}) or {})
-        extra.setdefault("tensor_parallel_size", cfg.get("parallel", {}).get("tensor_model_parallel_size", 1))
-        extra.setdefault("seed", cfg.get("run", {}).get("seed", 0))
-        extra.update(kwargs)
-        return cls(model_path, arch, **extra)
+    def from_recipe(cls, cfg: Config, model_path: str, arch: ModelArch, **kwargs) -> "VLLMRolloutEngine":
+        """Build from a recipe: the ``rollout.vllm`` keys, TP and the run's seed."""
+        v = cfg.rollout.vllm
+        return cls(model_path, arch, tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                   gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len, dtype=v.dtype,
+                   colocate=v.colocate, seed=cfg.run.seed, **kwargs)
 
 
-def sampling_from_recipe(cfg, eos_id: int, seed: int = 0) -> SamplingParams:
+def sampling_from_recipe(cfg: Config, eos_id: int, seed: int = 0) -> SamplingParams:
     """SamplingParams from the recipe's ``rollout`` section (temperature, top_p, max_new_tokens)."""
-    r = cfg["rollout"]
-    return SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
-                          max_new_tokens=int(r["max_new_tokens"]), eos_id=eos_id, seed=seed)
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, eos_id=eos_id,
+                          seed=seed)

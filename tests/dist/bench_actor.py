@@ -17,6 +17,7 @@ def run(rank: int, world: int, port: int) -> None:
     from omegaconf import OmegaConf
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.config import build_config
     from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.runtime.megatron_env import init_distributed
@@ -25,6 +26,7 @@ def run(rank: int, world: int, port: int) -> None:
     cfg.model.update(vocab_size=40, num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256)
     cfg.parallel.update(tensor_model_parallel_size=world, backend="gloo")
     cfg.grpo.micro_batch_size = 16
+    cfg = build_config(cfg)  # the checked, typed config the entry points hand on
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
                      backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)

@@ -22,6 +22,8 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 def make_config(tp: int, pp: int, model_dir: str, run_dir: str):
     from omegaconf import OmegaConf
 
+    from laconic_nemo.config import build_config
+
     root = Path(__file__).resolve().parents[2]
     cfg = OmegaConf.load(root / "recipes" / "base.yaml")
     cfg.model.update(source="hf", path=model_dir, attention="local")
@@ -29,7 +31,7 @@ def make_config(tp: int, pp: int, model_dir: str, run_dir: str):
     cfg.optim.update(lr=1e-2, warmup_steps=0)
     cfg.grpo.update(kl_beta=0.0, micro_batch_size=N, num_prompts_per_step=1, group_size=N, minibatch_size=N)
     cfg.run.update(output_dir=run_dir, num_steps=1)
-    return cfg
+    return build_config(cfg)  # the checked, typed config the entry points hand on
 
 
 def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: str) -> None:

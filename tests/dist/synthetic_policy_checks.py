@@ -31,8 +31,6 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
-
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.task import build_task
     from laconic_nemo.app.warmup import warm_up
@@ -46,7 +44,7 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
     task = build_task(cfg)
     encode, decode, eos_id, pad_id, vocab = task.encode, task.decode, task.eos_id, task.pad_id, task.vocab_size
     prompts, reward_fn, warmup_example = task.prompts, task.reward_fn, task.warmup_example
-    OmegaConf.update(cfg, "model.vocab_size", vocab)
+    cfg.model.vocab_size = vocab
     actor = MegatronCoreActor.from_config(cfg)
     assert warm_up(cfg, actor, warmup_example, pad_id, info.rank, log=lambda s: None)
     g = torch.Generator().manual_seed(5)

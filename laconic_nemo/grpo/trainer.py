@@ -39,13 +39,20 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from laconic_nemo.config import Config, check_layout, to_dict, to_yaml
-from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
+from laconic_nemo.core import (
+    constant_lambda,
+    cost_lengths,
+    group_advantages,
+    lambda_controller,
+    load_shaper_state,
+    next_lambda,
+    shape,
+    shaper_state,
+)
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
 from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, barrier, dist_ready, find_resume_checkpoint
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
-    LossFn,
     PolicyActor,
     SamplingParams,
     TrainBatch,
@@ -71,6 +78,22 @@ def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torc
             t = t.cuda()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu()
+
+
+def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
+                      truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Steps 4 and 5 on one rank's groups: the shaper of ``cfg.laconic`` at lambda ``lam`` (L_max =
+    ``rollout.max_new_tokens``), then the group advantages of the ``grpo:`` settings.
+
+    rewards, lengths: [P, G] task rewards r and lengths L; truncated: [P, G] bool or None (``L >= L_max``);
+    targets: [P, G] n_gold of the L1 baselines. Returns (shaped rewards [P, G], advantages [P, G], the shaper's
+    metrics)."""
+    g = cfg.grpo
+    shaped, metrics = shape(cfg.laconic, rewards, lengths, lam, max_length=cfg.rollout.max_new_tokens,
+                            truncated=truncated, targets=targets)
+    return shaped, group_advantages(shaped, eps=g.advantage_eps, leave_one_out=g.leave_one_out,
+                                    std=g.advantage_std), metrics
 
 
 @dataclass
@@ -138,18 +161,15 @@ class GRPOTrainer:
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
         self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
-        g = cfg.grpo
-        self.G = int(g.group_size)
         self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
-        self.local_minibatch = int(g.minibatch_size) // dp
-        # the same builders `laconic-nemo plan` runs; the controller is the only state of the shaping
-        self.shaper, self.dual, self._constant_lambda = build_shaper(cfg), build_dual(cfg), constant_lambda(cfg)
-        rng = cfg.data.target_length_range
-        self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
-        self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), cfg.run.seed,
-                                     cfg.data.shuffle)
+        self.local_minibatch = cfg.grpo.minibatch_size // dp
+        # the lambda controller (the only state of the shaping) or the shaper's constant lambda; `laconic-nemo plan`
+        # builds the same (laconic_nemo.plan.step_one)
+        self.dual = lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
+        self._constant_lambda = constant_lambda(cfg.laconic)
+        self.sampler = PromptSampler(len(self.prompts), cfg.grpo.num_prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if dist_ready() else 0
         self.world = dist.get_world_size() if dist_ready() else 1
@@ -188,7 +208,8 @@ class GRPOTrainer:
         """Generate this rank's G responses per prompt of ``step`` and grade them."""
         indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
         prompt_texts, targets = self._prompt_texts(step, indices)
-        items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
+        G = self.cfg.grpo.group_size
+        items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(G)]
         prompt_ids = [self.encode(p) for p, _ in items]
         sampling = SamplingParams(
             temperature=self.cfg.rollout.temperature,
@@ -206,16 +227,16 @@ class GRPOTrainer:
         with timer("reward"):
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
         if targets is not None:
-            targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(self.G)
+            targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(G)
         return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets)
 
     def _prompt_texts(self, step: int, indices: list[int]):
         """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
         seed, step and prompt index only, so they do not depend on the layout)."""
         texts = [self.prompts[i][0] for i in indices]
-        if self.target_range is None:
+        if self.cfg.data.target_length_range is None:
             return texts, None
-        lo, hi = self.target_range
+        lo, hi = self.cfg.data.target_length_range
         targets = []
         for i in indices:
             g = torch.Generator().manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1_000_033 + i)
@@ -239,32 +260,33 @@ class GRPOTrainer:
         rollout = self._rollout(step, timer)
         gen, task_reward, targets = rollout.gen, rollout.task_reward, rollout.targets
 
+        lc, g = self.cfg.laconic, self.cfg.grpo
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
-            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, self.cfg.laconic.count_eos)
-            shaped, shaper_metrics = self.shaper(task_reward, lengths, truncated, self.G, self.lam, targets)
-            advantages = group_advantages(shaped, self.G, **advantage_settings(self.cfg))
+            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, lc.count_eos)
+            # the rank's responses [N] as its groups [P, G]: each prompt's G samples are contiguous (_rollout)
+            G = g.group_size
+            _, advantages, shaper_metrics = shaped_advantages(
+                self.cfg, task_reward.view(-1, G), lengths.view(-1, G), self.lam,
+                truncated=None if truncated is None else truncated.view(-1, G),
+                targets=None if targets is None else targets.view(-1, G))
 
         batch = TrainBatch(
             tokens=gen.tokens,
             prompt_lengths=gen.prompt_lengths,
             response_lengths=gen.response_lengths,
             response_mask=response_mask(gen.prompt_lengths, gen.response_lengths, gen.tokens.shape[1]),
-            advantages=advantages.float(),
+            advantages=advantages.view(-1).float(),
         )
         with timer("logprobs"):
             # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
             temp = self.cfg.rollout.temperature
             batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
-            if self.cfg.grpo.kl_beta > 0:
+            if g.kl_beta > 0:
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
-        # the loss of this step: the recipe's settings at the rollout temperature; each optimiser minibatch
-        # binds its own global token / sequence counts
-        make_loss = functools.partial(make_grpo_loss_fn, **loss_settings(self.cfg),
-                                      temperature=self.cfg.rollout.temperature)
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch, make_loss)
+            update_metrics = self._policy_update(batch)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -277,7 +299,7 @@ class GRPOTrainer:
         metrics.update(
             step=step + 1,
             mean_response_length=global_mean_length,
-            budget=self.cfg.laconic.budget,
+            budget=lc.budget,
             **{"lambda": lam_used, "lambda_next": lam_next},
         )
         metrics["step_seconds"] = time.perf_counter() - t_start
@@ -287,9 +309,10 @@ class GRPOTrainer:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
 
-    def _policy_update(self, batch: TrainBatch, make_loss: Callable[..., LossFn]) -> dict[str, float]:
-        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses; ``make_loss(
-        global_num_tokens=, global_num_seqs=)`` gives the loss of a minibatch. Returns the mean metrics."""
+    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
+        the recipe's ``grpo:`` settings at the rollout temperature and the minibatch's global token / sequence
+        counts. Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -297,8 +320,10 @@ class GRPOTrainer:
         for start in range(0, n_local, self.local_minibatch):
             mb = batch.select(slice(start, start + self.local_minibatch))
             counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
-            loss_fn = make_loss(global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]))
-            out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
+            loss_fn = make_grpo_loss_fn(g.clip_eps, g.clip_eps_high, g.kl_beta, g.loss_aggregation,
+                                        global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]),
+                                        clip_dual=g.clip_dual, temperature=self.cfg.rollout.temperature)
+            out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n_updates += 1
@@ -322,7 +347,7 @@ class GRPOTrainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {
             "step": step,
-            "shaper": shaper_state(self.shaper.name, self.dual),
+            "shaper": shaper_state(self.cfg.laconic.shaper, self.dual),
             "world_size": self.world,
             "dp_size": self.actor.dp_size,
             "config": to_dict(self.cfg),
@@ -381,7 +406,7 @@ class GRPOTrainer:
         # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
         strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
         self.checkpoints.load(path, self.actor)
-        load_shaper_state(self.shaper.name, self.dual, state["shaper"], strict=strict)
+        load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop

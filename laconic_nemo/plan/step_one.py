@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from laconic_nemo.config import Config
-from laconic_nemo.core import group_advantages
-from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
+from laconic_nemo.core import SHAPERS, constant_lambda, group_advantages, lambda_controller, shape
 from laconic_nemo.grpo.interfaces import TrainBatch
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
@@ -52,21 +51,24 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     process is started. ``tokenizer``: that folder's tokenizer when the caller has loaded it already
     (``plan``'s folder checks do), so it is not loaded twice; None loads it here.
     """
-    G = cfg.grpo.group_size
-    shaper, controller = build_shaper(cfg), build_dual(cfg)
-    lam = controller.value if controller is not None else constant_lambda(cfg)
-    lmax = cfg.rollout.max_new_tokens
-    lengths = torch.tensor([[1, lmax][i % 2] for i in range(G)], dtype=torch.long)
-    shaped, _ = shaper(torch.linspace(0.0, 1.0, G), lengths, lengths >= lmax, G, lam,
-                       torch.full((G,), float(lmax)) if shaper.fn.needs_targets else None)
-    adv = group_advantages(shaped, G, **advantage_settings(cfg))
+    lc, g, lmax = cfg.laconic, cfg.grpo, cfg.rollout.max_new_tokens
+    G = g.group_size
+    controller = lambda_controller(lc, lmax)  # what GRPOTrainer builds
+    lam = controller.value if controller is not None else constant_lambda(lc)
+    lengths = torch.tensor([[[1, lmax][i % 2] for i in range(G)]], dtype=torch.long)  # one group [1, G]
+    shaped, _ = shape(lc, torch.linspace(0.0, 1.0, G).view(1, G), lengths, lam, max_length=lmax,
+                      truncated=lengths >= lmax,
+                      targets=torch.full((1, G), float(lmax)) if SHAPERS[lc.shaper].needs_targets else None)
+    advantages = {"eps": g.advantage_eps, "leave_one_out": g.leave_one_out, "std": g.advantage_std}
+    adv = group_advantages(shaped, **advantages).view(-1)
     dual = None
     if controller is not None:
         copy.deepcopy(controller).update(float(lengths.float().mean()))
         dual = {k: v for k, v in controller.state_dict().items()
                 if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
 
-    loss_kw = loss_settings(cfg)
+    loss_kw = {"clip_eps": g.clip_eps, "clip_eps_high": g.clip_eps_high, "clip_dual": g.clip_dual,
+               "kl_beta": g.kl_beta, "aggregation": g.loss_aggregation}
     mask = torch.ones(2, 3)
     fn = make_grpo_loss_fn(**loss_kw, global_num_tokens=6.0, global_num_seqs=2.0)
     logp = (-torch.rand(2, 3)).requires_grad_(True)
@@ -78,8 +80,8 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     loss.backward()
 
     out = StepOneBuild(
-        shaper=shaper.name, lambda_init=float(lam), dual=dual,
-        advantages=advantage_settings(cfg), loss=loss_kw, reward="", count_eos=cfg.laconic.count_eos,
+        shaper=lc.shaper, lambda_init=float(lam), dual=dual,
+        advantages=advantages, loss=loss_kw, reward="", count_eos=lc.count_eos,
         prompt_template=str(cfg.data.prompt_template),
     )
     if cfg.reward.kind == "math":

@@ -279,6 +279,7 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
     from laconic_nemo.app.run import run
     from laconic_nemo.app.task import Task
     from laconic_nemo.data.datasets import load_math_prompts
+    from laconic_nemo.grpo.trainer import GRPOTrainer
     from laconic_nemo.rewards.format import build_reward_fn
 
     cls = actor_model_class()  # stubs TRT-LLM when absent, before the nemo_aligner imports below
@@ -343,8 +344,10 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
     from laconic_nemo.grpo.metrics import nemo_sinks
 
     try:  # the dashboards are NeMo's own loggers (exp_manager's TensorBoardLogger / WandbLogger), fed by rank 0
-        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal(),
-                   metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
+        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
+                              checkpoint_hook=NemoCheckpointHook(actor),
+                              metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
+        code = run(trainer, task, early_signal=early_signal())
         if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
             export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:

@@ -360,12 +360,13 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
 
 def train(cfg: Config) -> int:
     """The megatron-core entry point (every rank): torch.distributed, the output-dir lock, the task, the actor
-    (and its vLLM engine), then :func:`laconic_nemo.app.run.run`."""
+    (and its vLLM engine), the trainer, then :func:`laconic_nemo.app.run.run`."""
     import torch
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.run import run as run_grpo
     from laconic_nemo.app.task import build_task
+    from laconic_nemo.grpo.trainer import GRPOTrainer
     from laconic_nemo.runtime.faults import heartbeat
     from laconic_nemo.runtime.megatron_env import cpu_threads, destroy_distributed, init_distributed
 
@@ -409,7 +410,8 @@ def train(cfg: Config) -> int:
                               "or vllm (nemo generation runs in the NeMo-Aligner entry point)")
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
-        return run_grpo(cfg, actor, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
+        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id)
+        return run_grpo(trainer, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
     finally:
         if lock is not None:
             lock.release()

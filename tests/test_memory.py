@@ -98,7 +98,7 @@ def test_layer_formula_is_what_autograd_keeps(models, attention, kernel, fused, 
 def test_recomputed_layers_keep_only_their_input(models, layers):
     """megatron's full recompute (set as the actor sets it) of the first ``layers`` layers: each keeps d h per token
     (the block's checkpoint also keeps RoPE's [max_seqlen, 1, 1, hd] float32 table, once)."""
-    from laconic_nemo.actors.megatron_core import set_recompute
+    from laconic_nemo.actors.megatron_step import set_recompute
 
     arch, built = models
     model = built[("sdpa", False)]

@@ -110,8 +110,9 @@ def supervised_warmup(
 # a micro-batch split, an initialiser) changes the policy, so it is part of the cache key.
 WARMUP_MODULES = (
     "laconic_nemo.app.warmup", "laconic_nemo.app.task", "laconic_nemo.data.synthetic", "laconic_nemo.grpo.loss",
-    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.runtime.megatron_env",
-    "laconic_nemo.runtime.kernels",
+    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.actors.megatron_build",
+    "laconic_nemo.actors.megatron_logprobs", "laconic_nemo.actors.megatron_step", "laconic_nemo.actors.megatron_shards",
+    "laconic_nemo.runtime.megatron_env", "laconic_nemo.runtime.kernels",
 )
 WARMUP_FUNCTIONS = (("laconic_nemo.grpo.trainer", "allreduce_sum"),)
 META = "meta.json"

@@ -12,7 +12,7 @@
   the last ``\\boxed{}`` content equal to the answer digit (:class:`ExactAnswerGrader`).
 * Policy: a run directory or checkpoint (the latest complete checkpoint, as ``resume: auto`` picks it), or
   the run's cached warm-up policy (the RL starting point, :func:`warmup_policy_dir`). The per-rank shards
-  are merged offline (:func:`laconic_nemo.actors.megatron_core.merge_rank_states`, the actor's own rules)
+  are merged offline (:func:`laconic_nemo.actors.megatron_shards.merge_rank_states`, the actor's own rules)
   and loaded into a one-process megatron-core actor at TP = PP = 1 (:class:`MegatronBackend`); samples come
   from the actor's own sampler (``MegatronCoreActor.generate``), the one training used.
 """
@@ -143,7 +143,7 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
     in ``MegatronCoreActor.full_state_dict``; the vocabulary padding is dropped ([V, H] rows).
     split_dims: local name -> TP concatenation dim, for shards that do not record theirs (warm-up caches): the
     ``tp_split_dims()`` of an actor of the same model."""
-    from laconic_nemo.actors.megatron_core import merge_rank_states
+    from laconic_nemo.actors.megatron_shards import merge_rank_states
     from laconic_nemo.config import to_dict
     from laconic_nemo.tools.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
 

@@ -176,6 +176,7 @@ class VLLMRolloutEngine:
             self._vllm = vllm
             self.llm.sleep(level=2)  # training runs first; weights come from the first refit
         self._asleep = colocate and owns_engine
+        self._refit_version: int | None = None  # the policy version (optimiser steps) of the last refit
 
     @property
     def needs_refit(self) -> bool:
@@ -209,6 +210,18 @@ class VLLMRolloutEngine:
             self._weights_loaded = False
 
     # ----------------------------------------------------------------------------------------- generate
+    def generate_from(self, model_chunks, version: int, prompts: list[list[int]],
+                      sampling: SamplingParams) -> GenerationOutput:
+        """A rollout of the policy ``model_chunks`` at ``version`` (its optimiser steps so far): refitted into vLLM
+        when the version changed since the last refit or vLLM discarded its weights (a colocated engine asleep),
+        then :meth:`generate`, then asleep again (colocated: the memory goes back to training)."""
+        if self._refit_version != version or self.needs_refit:
+            self.refit(model_chunks)
+            self._refit_version = version
+        out = self.generate(prompts, sampling)
+        self.sleep()
+        return out
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """One response per prompt (token ids), sampled with ``sampling``; CPU tensors."""
         if self.llm is None:

@@ -553,12 +553,9 @@ def test_checkpoints_carry_a_manifest_and_a_damaged_one_is_named_and_skipped(tmp
 
 
 def test_a_crc_mismatch_seen_by_a_rank_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
-    """GRPOTrainer._verified_resume_checkpoint: every rank checks the files it reads (all-reduced); a damaged
-    latest is named and the previous complete one resumed."""
-    from types import SimpleNamespace
-
+    """CheckpointManager.resume_point (the trainer's resume): every rank checks the files it reads (all-reduced); a
+    damaged latest is named and the previous complete one resumed."""
     from laconic_nemo.grpo.checkpoint import CheckpointManager
-    from laconic_nemo.grpo.trainer import GRPOTrainer
 
     out = tmp_path / "run"
     cfg = load_config(TINY, [f"run.output_dir={out}"])
@@ -569,9 +566,7 @@ def test_a_crc_mismatch_seen_by_a_rank_falls_back_to_the_previous_checkpoint(tmp
     data = bytearray(shard.read_bytes())
     data[10] ^= 0x01
     shard.write_bytes(bytes(data))
-    trainer = SimpleNamespace(cfg=cfg, checkpoints=mgr, actor=_Actor(0.0), is_logger=True)
-    trainer.find_resume_checkpoint = lambda notes=None: GRPOTrainer.find_resume_checkpoint(trainer, notes)
-    assert GRPOTrainer._verified_resume_checkpoint(trainer) == out / "checkpoints" / "step_000001"
+    assert mgr.resume_point(cfg, _Actor(0.0), log=True) == out / "checkpoints" / "step_000001"
     text = capsys.readouterr().out
     assert f"checkpoint {out / 'checkpoints' / 'step_000002'} is damaged and skipped: {shard} does not match" in text
     assert "resuming from the previous complete checkpoint" in text

@@ -19,11 +19,10 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from laconic_nemo.config import Config, ConfigError
-from laconic_nemo.grpo.checkpoint import CheckpointManager, barrier
+from laconic_nemo.grpo.checkpoint import CheckpointManager, allreduce_sum, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.metrics import ProgressClock
-from laconic_nemo.grpo.trainer import allreduce_sum
 from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 
@@ -114,7 +113,7 @@ WARMUP_MODULES = (
     "laconic_nemo.actors.megatron_logprobs", "laconic_nemo.actors.megatron_step", "laconic_nemo.actors.megatron_shards",
     "laconic_nemo.runtime.megatron_env", "laconic_nemo.runtime.kernels",
 )
-WARMUP_FUNCTIONS = (("laconic_nemo.grpo.trainer", "allreduce_sum"),)
+WARMUP_FUNCTIONS = (("laconic_nemo.grpo.checkpoint", "allreduce_sum"),)
 META = "meta.json"
 
 

@@ -50,7 +50,14 @@ from laconic_nemo.core import (
     shaper_state,
 )
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, barrier, dist_ready, find_resume_checkpoint
+from laconic_nemo.grpo.checkpoint import (
+    CheckpointHook,
+    CheckpointManager,
+    allreduce_sum,
+    barrier,
+    dist_ready,
+    find_resume_checkpoint,
+)
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -67,17 +74,6 @@ RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]
 
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-
-
-def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
-    """Sum of ``values`` over ``group`` (no-op without torch.distributed). Returns a CPU tensor."""
-    t = torch.as_tensor(values, dtype=dtype).clone()
-    if dist_ready():
-        backend = dist.get_backend(group)
-        if backend == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.cpu()
 
 
 def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
@@ -363,33 +359,6 @@ class GRPOTrainer:
         ``notes`` receives a line per damaged checkpoint skipped."""
         return find_resume_checkpoint(self.cfg, notes)
 
-    def _verified_resume_checkpoint(self) -> Path | None:
-        """The checkpoint to resume whose files match their manifest on EVERY rank (each rank checks the CRC-32
-        of the files it reads); a damaged one is named and skipped for the previous complete one."""
-        from laconic_nemo.grpo.resume import choose_checkpoint
-
-        notes: list[str] = []
-        ckpt = self.find_resume_checkpoint(notes)
-        excluded: tuple[Path, ...] = ()
-        while ckpt is not None:
-            why = self.checkpoints.verify(ckpt, self.actor)
-            if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
-                break
-            if str(self.cfg.checkpoint.resume) != "auto" or self.checkpoints.hook is not None:
-                # an explicit folder; or an actor that restored its own files of this step already (NeMo)
-                raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
-                                 "to resume from the previous one")
-            notes = [*notes, f"checkpoint {ckpt} is damaged and skipped: {why or 'a file of another rank'}"]
-            excluded += (ckpt,)
-            ckpt, more = choose_checkpoint(ckpt.parent, exclude=excluded)
-            notes += [n for n in more if "is damaged" in n]
-            notes.append(f"resuming from the previous complete checkpoint {ckpt}" if ckpt is not None else
-                         "no intact checkpoint is left: the run starts from step 1")
-        if self.is_logger:
-            for note in notes:
-                print(note, flush=True)
-        return ckpt
-
     def load_checkpoint(self, path: Path) -> int:
         from laconic_nemo.config import base_config_path
         from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
@@ -416,7 +385,7 @@ class GRPOTrainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(to_yaml(self.cfg))
         barrier()
-        resume = self._verified_resume_checkpoint()
+        resume = self.checkpoints.resume_point(self.cfg, self.actor, log=self.is_logger)
         if resume is not None:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:

@@ -141,6 +141,7 @@ def test_decode_engine_tensor_parallel_pieces(results):
         assert e["te_equal"] and e["te_logprob_err"] < 2e-5
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_actor_calls_no_deprecated_torch_api(results, layout):
     """Building, stepping and sampling the actor raises no FutureWarning (printed to every user by default): e.g.
     the TP logits gather goes through torch.distributed.all_gather_single, not the deprecated

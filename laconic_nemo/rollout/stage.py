@@ -16,6 +16,22 @@ import torch.nn.functional as F
 from laconic_nemo.rollout.slots import Sig
 
 
+def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
+    """The TP shards of ``t`` side by side: [..., n] on each of the tp ranks of ``group`` -> [..., tp * n] (rank r's
+    shard in columns r*n..(r+1)*n), megatron's ``_gather_along_last_dim`` (megatron-core 0.11,
+    ``tensor_parallel/mappings.py:79-97``, what ``output_layer(..., runtime_gather_output=True)`` runs) through
+    torch's ``all_gather_single``: torch 2.13 deprecates the ``all_gather_into_tensor`` megatron calls (older torch
+    has only that). A copy of bytes, so the logits are megatron's bit for bit."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
+    return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+
+
 class StageMixin:
     """Embedding, RoPE, layers, final norm and logits of this rank's stage; prefill and decode compute; the
     broadcasts and point-to-point hand-offs between ranks."""
@@ -123,7 +139,9 @@ class StageMixin:
             h = self.final_norm(h)
         m = self.model
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=weight, runtime_gather_output=True)
+        logits, _ = m.output_layer(h, weight=weight, runtime_gather_output=False)  # this rank's [s, b, V / TP]
+        if self.tp > 1:
+            logits = gather_last_dim(logits, self._tp_group)
         return logits[..., : self.vocab_size].float()
 
     # ------------------------------------------------------------------ communication (no-ops at TP 1 / PP 1)

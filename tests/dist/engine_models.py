@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -121,7 +123,9 @@ def full_forward_logprobs(model, vocab_size: int, tokens: torch.Tensor, temperat
     from megatron.core import tensor_parallel
 
     pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand(*tokens.shape)
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(tokens, pos, None))[..., :vocab_size]
+    with warnings.catch_warnings():  # megatron's gather calls torch's deprecated all_gather_into_tensor: this
+        warnings.simplefilter("ignore", FutureWarning)  # reference's warning, not the code under test's
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(tokens, pos, None))[..., :vocab_size]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
 

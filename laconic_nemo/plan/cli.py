@@ -33,7 +33,7 @@ DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
 
 def default_mounts() -> str:
     """Container mounts as launch/submit.sh derives them from DATA_DIR, CKPT_DIR, RESULTS_DIR, REPO_DIR."""
-    repo = os.environ.get("REPO_DIR", str(Path(__file__).resolve().parent.parent))
+    repo = os.environ.get("REPO_DIR", str(Path(__file__).resolve().parents[2]))  # the repository root
     return ",".join([
         f"{os.environ.get('DATA_DIR', '/lustre/data')}:/data",
         f"{os.environ.get('CKPT_DIR', '/lustre/checkpoints')}:/checkpoints",

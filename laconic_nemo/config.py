@@ -20,6 +20,7 @@ and never checks them again; :func:`to_dict` and :func:`to_yaml` give its plain 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -734,6 +735,12 @@ def validate_config(cfg: DictConfig) -> Config:
     ConfigError."""
     check_ranges(cfg)
     return OmegaConf.to_object(cfg)
+
+
+def defaults() -> dict[str, Any]:
+    """Every key's default, section by section, interpolations unresolved (``${run.name}``): recipes/base.yaml as
+    plain values."""
+    return copy.deepcopy(_schema()[1])
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -36,9 +36,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from laconic_nemo.config import Config, check_layout, to_dict, to_yaml
+from laconic_nemo.config import Config, check_layout, defaults, to_dict, to_yaml
 from laconic_nemo.core import (
     constant_lambda,
     cost_lengths,
@@ -360,7 +359,6 @@ class GRPOTrainer:
         return find_resume_checkpoint(self.cfg, notes)
 
     def load_checkpoint(self, path: Path) -> int:
-        from laconic_nemo.config import base_config_path
         from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
 
         state = read_trainer_state(path)
@@ -371,7 +369,7 @@ class GRPOTrainer:
             )
         allowed = check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
                                       list(self.cfg.checkpoint.resume_allow_changes or []),
-                                      OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
+                                      defaults())
         # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
         strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
         self.checkpoints.load(path, self.actor)

@@ -39,9 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from laconic_nemo.config import Config, ConfigError, base_config_path, to_dict
+from laconic_nemo.config import Config, ConfigError, defaults, to_dict
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
@@ -196,7 +194,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
                               f"DP {world_size // (tp * pp)}; resume with the checkpoint's layout")
         check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
                             list(cfg.checkpoint.resume_allow_changes or []),
-                            OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
+                            defaults())
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "

@@ -18,24 +18,25 @@ from laconic_nemo.core import SHAPERS, DualController, Shaper, group_advantages,
 
 
 def make_batch(prompts: int, group_size: int, max_length: int, seed: int = 0):
+    """rewards, lengths, truncation flags and targets, each [prompts, group_size]."""
     g = torch.Generator().manual_seed(seed)
-    n = prompts * group_size
-    rewards = (torch.rand(n, generator=g) < 0.6).float()
-    lengths = torch.randint(1, max_length + 1, (n,), generator=g)
-    lengths[torch.rand(n, generator=g) < 0.1] = max_length
+    shape = (prompts, group_size)
+    rewards = (torch.rand(shape, generator=g) < 0.6).float()
+    lengths = torch.randint(1, max_length + 1, shape, generator=g)
+    lengths[torch.rand(shape, generator=g) < 0.1] = max_length
     truncated = lengths >= max_length
-    targets = torch.randint(256, 3072, (n,), generator=g)
+    targets = torch.randint(256, 3072, shape, generator=g)
     return rewards, lengths, truncated, targets
 
 
-def time_step(shaper, dual, batch, group_size: int, repeats: int, warmup: int = 50) -> list[float]:
+def time_step(shaper, dual, batch, repeats: int, warmup: int = 50) -> list[float]:
     rewards, lengths, truncated, targets = batch
     samples = []
     lam = 0.01
     for i in range(warmup + repeats):
         t0 = time.perf_counter_ns()
-        shaped, metrics = shaper(rewards, lengths, truncated, group_size, lam, targets=targets)
-        adv = group_advantages(shaped, group_size)
+        shaped, metrics = shaper(rewards, lengths, truncated, lam, targets=targets)
+        adv = group_advantages(shaped)
         lam = next_lambda(dual, lam, metrics["mean_length"])
         t1 = time.perf_counter_ns()
         if i >= warmup:
@@ -65,8 +66,7 @@ def main() -> None:
     def run(name):
         dual = DualController(args.budget, 0.002, max_length=args.max_length, init=0.01) \
             if SHAPERS[name].lam == "dual" else None
-        return time_step(Shaper(name, budget=args.budget, max_length=args.max_length), dual, batch, args.group_size,
-                         args.repeats)
+        return time_step(Shaper(name, budget=args.budget, max_length=args.max_length), dual, batch, args.repeats)
 
     # baseline first and last, so drift over the run shows up
     order = ["grpo"] + [n for n in SHAPERS if n != "grpo"]

@@ -28,7 +28,7 @@ import numpy as np
 
 from laconic_nemo.config import load_config
 from laconic_nemo.core.dual import DualController
-from laconic_nemo.simulate import SCALES, fit_length_model, predict, read_trajectory, response_metrics
+from laconic_nemo.tools.simulate import SCALES, fit_length_model, predict, read_trajectory, response_metrics
 
 
 def metrics_path(path: str | Path) -> Path:

@@ -147,7 +147,7 @@ def size(gib: float) -> str:
 def build_actor(arch, attention: str, device, dtype, args):
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.bridge.megatron import actor_kwargs
-    from laconic_nemo.megatron_env import init_distributed
+    from laconic_nemo.runtime.megatron_env import init_distributed
 
     info = init_distributed(1, 1, backend="auto", seed=0)
     kw = actor_kwargs(arch, 1, 1, cpu=device.type != "cuda", dtype=dtype, attention=attention)

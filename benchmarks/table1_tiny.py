@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         run_config,
         warmup_policy_dir,
     )
-    from laconic_nemo.megatron_env import cpu_threads
+    from laconic_nemo.runtime.megatron_env import cpu_threads
 
     torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
     results = Path(args.results).resolve()

@@ -69,7 +69,7 @@ def code_digest() -> str:
 
 def provenance() -> dict:
     from laconic_nemo.app.warmup import library_versions
-    from laconic_nemo.megatron_env import cpu_threads
+    from laconic_nemo.runtime.megatron_env import cpu_threads
 
     return {"code": code_digest(), "versions": library_versions(), "threads_per_rank": cpu_threads()}
 

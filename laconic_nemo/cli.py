@@ -15,10 +15,10 @@ import sys
 # (subcommand, module that registers it, one-line help shown when the module cannot be imported)
 SUBCOMMANDS = [
     ("train", "laconic_nemo.app.train_cli", "train a policy with GRPO + LACONIC from a recipe"),
-    ("plan", "laconic_nemo.launch_plan", "validate a recipe for a cluster layout and print the launch commands"),
-    ("export", "laconic_nemo.export", "write a training checkpoint as a Hugging Face model folder"),
+    ("plan", "laconic_nemo.plan.cli", "validate a recipe for a cluster layout and print the launch commands"),
+    ("export", "laconic_nemo.tools.export", "write a training checkpoint as a Hugging Face model folder"),
     ("eval", "laconic_nemo.eval.cli", "evaluate a checkpoint on the math benchmarks (paper Table 1)"),
-    ("simulate", "laconic_nemo.simulate", "choose eta, Lambda and pid gains on a length-response model of a run"),
+    ("simulate", "laconic_nemo.tools.simulate", "choose eta, Lambda and pid gains on a length-response model of a run"),
 ]
 
 

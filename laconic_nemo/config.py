@@ -10,12 +10,17 @@ An unknown key is an error naming it, so a typo never silently falls back to a d
 Values are checked once, here: a field's range (``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` given to
 :func:`opt`, kept in the field's metadata: :func:`ranged_keys` lists them, :func:`check_ranges` applies every
 one of them), then each section's ``__post_init__`` its rules across fields, :class:`Config`'s the rules across
-sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility). Below this
-boundary the code trusts its typed inputs.
+sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility).
+
+:func:`load_config` returns the :class:`Config` object itself (the dataclasses, with slots: a key the schema does
+not define cannot be set on it either). Below this boundary the code reads its typed fields (``cfg.laconic.budget``)
+and never checks them again; :func:`to_dict` and :func:`to_yaml` give its plain and YAML forms (checkpoints,
+``config.yaml``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -30,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
 from laconic_nemo.core.shapers import SHAPERS
-from laconic_nemo.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
+from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
 
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
 # the synthetic task labels its terms with the letters a..l (laconic_nemo.data.synthetic.LETTERS; a test checks)
@@ -115,7 +120,7 @@ def section(cls: type, doc: str = "") -> Any:
 # ------------------------------------------------------------------------------------------------------------------
 # sections (the order of the fields is the order of base.yaml)
 # ------------------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class RunConfig:
     name: str = opt("laconic", "run name; output goes to ${run.output_dir}")
     output_dir: str = opt("results/${run.name}")
@@ -125,7 +130,7 @@ class RunConfig:
     log_every: int = opt(1, "print a progress line every N steps (metrics.jsonl gets every step)", ge=1)
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelConfig:
     source: str = opt("synthetic", choices=("synthetic", "hf", "nemo"), above="""Where the initial policy comes from:
   synthetic: a tiny randomly initialised GPT (CPU demo, tests); shape below
@@ -143,7 +148,7 @@ when the checkpoint is not readable there""", ge=1)
     vocab_size: int = opt(64, "padded to a multiple of the TP size by the actor", ge=1)
     max_position_embeddings: int = opt(512, ge=2)
     precision: str = opt("fp32", "fp32 on CPU; bf16 on GPU", choices=("fp32", "bf16", "fp16"))
-    attention: str = opt("auto", choices=ATTENTION_CHOICES, above="""Core attention of the megatron-core GPT (laconic_nemo/kernels.py): te (TransformerEngine, NGC
+    attention: str = opt("auto", choices=ATTENTION_CHOICES, above="""Core attention of the megatron-core GPT (laconic_nemo/runtime/kernels.py): te (TransformerEngine, NGC
 container) | sdpa (torch scaled_dot_product_attention: flash / memory-efficient kernels on GPU) |
 local (megatron's unfused DotProductAttention, [b, heads, s, s] scores) | auto (te > sdpa on GPU,
 local on CPU). No parameters: checkpoints do not depend on it.""")
@@ -159,7 +164,7 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
                  f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)
 
 
-@dataclass
+@dataclass(slots=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "TP; must divide the GPUs per node for good performance", ge=1)
     pipeline_model_parallel_size: int = opt(1, "PP; world size must be divisible by TP x PP; DP = world / (TP x PP)",
@@ -177,7 +182,7 @@ slowest phase (a step varies far less than 10x between steps).""", gt=0)
     watchdog_min_s: float = opt(60.0, gt=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class OptimConfig:
     lr: float = opt(1.0e-6, "Adam learning rate (constant after warmup)", gt=0)
     weight_decay: float = opt(0.0, ge=0)
@@ -188,7 +193,7 @@ class OptimConfig:
     grad_clip: float = opt(1.0, "global gradient-norm clip (0 disables)", ge=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class SyntheticConfig:
     min_terms: int = opt(2, "smallest k", ge=2, le=SYNTHETIC_MAX_TERMS)
     max_terms: int = opt(8, "largest k (>= min_terms)", ge=2, le=SYNTHETIC_MAX_TERMS)
@@ -204,7 +209,7 @@ class SyntheticConfig:
                  "of the styles sum to at most 1)", self.p_compact)
 
 
-@dataclass
+@dataclass(slots=True)
 class DataConfig:
     kind: str = opt("math", "math (json/jsonl/parquet problem files) | synthetic (tiny CPU task)",
                     choices=("math", "synthetic"))
@@ -228,7 +233,7 @@ prompt with target_instruction, handed to the shaper. null: no targets (other sh
                      "[min, max] with 1 <= min <= max, or null", list(rng))
 
 
-@dataclass
+@dataclass(slots=True)
 class WarmupConfig:
     num_steps: int = opt(0, ge=0)
     batch_size: int = opt(64, "sequences per step (GLOBAL)", ge=1)
@@ -237,7 +242,7 @@ class WarmupConfig:
 (null: ${run.output_dir}/warmup)""")
 
 
-@dataclass
+@dataclass(slots=True)
 class GRPOConfig:
     num_prompts_per_step: int = opt(128, "prompts per step (GLOBAL, over all DP ranks)", ge=1)
     group_size: int = opt(8, "G responses sampled per prompt (group advantages need G >= 2)", ge=2)
@@ -289,7 +294,7 @@ cpu (pageable host memory, copies) | auto (device)""", choices=REFERENCE_CHOICES
                      self.clip_eps_high)
 
 
-@dataclass
+@dataclass(slots=True)
 class LaconicConfig:
     shaper: str = opt("laconic", " | ".join(SHAPERS) + " (laconic_nemo/core/shapers.py)", choices=tuple(SHAPERS))
     budget: float = opt(1500, "B, token budget on the mean response length", gt=0)
@@ -313,7 +318,7 @@ gets hit_cap even when it ended on EOS (authors' runs); false: paper form""")
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: maximal penalty", ge=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class RewardConfig:
     kind: str = opt("math", "math (boxed answer + math-verify) | synthetic (the tiny CPU task's checker)",
                     choices=("math", "synthetic"))
@@ -324,7 +329,7 @@ class RewardConfig:
 <think>...</think> then \\boxed{}, laconic_nemo/rewards/format.py)""", choices=("boxed", "think_boxed"))
 
 
-@dataclass
+@dataclass(slots=True)
 class VllmConfig:
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory for vLLM's weights + KV cache", gt=0, le=1)
     colocate: bool = opt(True, """on the training GPUs; vLLM sleeps (frees its memory) while the policy trains.
@@ -339,7 +344,7 @@ Only true is accepted: separate vLLM GPUs need a weight channel (not implemented
                  self.colocate)
 
 
-@dataclass
+@dataclass(slots=True)
 class RolloutConfig:
     engine: str = opt("megatron", """megatron (the project's decode engine, laconic_nemo/rollout/engine.py, for both
 actors) | vllm (GPU, megatron-core actor with model.source = hf, PP = 1) | nemo
@@ -381,7 +386,7 @@ the rest to weights, Adam and activations""", gt=0, le=1)
                  "rollout.batch_buckets", "a non-empty, strictly increasing list of integers >= 1", b)
 
 
-@dataclass
+@dataclass(slots=True)
 class CheckpointConfig:
     every_n_steps: int = opt(50, "write a checkpoint every N steps (0: only at the end; and on SIGUSR1/SIGTERM)",
                              ge=0)
@@ -397,7 +402,7 @@ Hugging Face architecture. Runs on rank 0 after the final checkpoint while the o
 must fit in parallel.collective_timeout_s / watchdog_s. Framework default: false.""")
 
 
-@dataclass
+@dataclass(slots=True)
 class LoggingConfig:
     plot: bool = opt(True, "write ${run.output_dir}/training_curves.png at the end")
     rank_trace: bool = opt(False, """every rank appends lambda (exact hex float), global mean length and its
@@ -430,7 +435,7 @@ Notation as in the paper: B = laconic.budget, L_max = rollout.max_new_tokens, G 
 eta = laconic.eta, Lambda = laconic.ceiling."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Config:
     """A whole recipe: one field per section of recipes/base.yaml."""
 
@@ -462,6 +467,9 @@ class Config:
         except DualSettingError as exc:
             raise ConfigError(f"{_DUAL_KEYS.get(exc.key, 'laconic.' + exc.key)} = {exc.value!r} is invalid: allowed "
                               f"{exc.allowed}") from None
+        _require(not SHAPERS[lc.shaper].needs_targets or self.data.target_length_range is not None,
+                 "data.target_length_range", f"[min, max] with laconic.shaper = {lc.shaper} (the shaper needs "
+                 "per-prompt target lengths)", None)
         if lc.shaper == "overlong":
             _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",
                      f"a number of tokens in (0, rollout.max_new_tokens = {lmax}]", lc.overlong_buffer)
@@ -488,7 +496,7 @@ _MISSING = object()
 _DUAL_KEYS = {"init": "laconic.lambda_init", "max_length": "rollout.max_new_tokens"}
 
 
-def check_layout(cfg: Any, dp: int) -> None:
+def check_layout(cfg: Config, dp: int) -> None:
     """The batch rules of a layout with ``dp`` data-parallel ranks (``plan``, the trainer and the warm-up).
 
     Every DP rank holds whole groups of G responses, the global rollout batch splits into optimiser minibatches,
@@ -669,11 +677,11 @@ def check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool = True) -> DictConfig:
-    """Load ``path`` with its defaults chain and ``overrides``; reject unknown keys and mistyped values.
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Load ``path`` with its defaults chain and ``overrides``: the checked :class:`Config`.
 
-    Returns a resolved, typed DictConfig of :class:`Config` (interpolations such as ``${run.name}`` expanded),
-    checked by the sections' ``__post_init__`` unless ``validate`` is False."""
+    Unknown keys, mistyped values, values outside their range and broken rules across keys raise ConfigError naming
+    the key; interpolations such as ``${run.name}`` are expanded."""
     recipe = resolve_recipe_path(path)
     cfg = _load_with_defaults(recipe)
     _check_known_keys(cfg, Config)
@@ -690,7 +698,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), validate: bool 
             raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from exc
         _check_known_keys(ov, Config)
         cfg = OmegaConf.merge(cfg, ov)
-    return build_config(cfg, validate=validate)
+    return build_config(cfg)
 
 
 _SCHEMA: list = []
@@ -705,9 +713,10 @@ def _schema() -> tuple[DictConfig, dict]:
     return _SCHEMA[0], _SCHEMA[1]
 
 
-def build_config(values: Any, validate: bool = True) -> DictConfig:
-    """The typed config from a mapping of recipe values (missing keys take their defaults): unknown keys and
-    mistyped values raise ConfigError naming the key; then the ranges are checked unless ``validate`` is False."""
+def build_config(values: Any) -> Config:
+    """The checked :class:`Config` from a mapping of recipe values (missing keys take their defaults): unknown
+    keys, mistyped values, values outside their range and broken rules across keys raise ConfigError naming the
+    key."""
     try:
         cfg = values if isinstance(values, DictConfig) else OmegaConf.create(values)
         _check_known_keys(cfg, Config)
@@ -717,17 +726,32 @@ def build_config(values: Any, validate: bool = True) -> DictConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(omegaconf_message(exc)) from None
     check_types(plain)
-    typed = OmegaConf.merge(_schema()[0], plain)  # merge copies its first argument: the cached schema stays as is
-    if validate:
-        validate_config(typed)
-    return typed
+    return validate_config(OmegaConf.merge(_schema()[0], plain))  # merge copies its first argument
 
 
-def validate_config(cfg: DictConfig) -> None:
+def validate_config(cfg: DictConfig) -> Config:
     """The fields' ranges (:func:`check_ranges`), then the rules across fields and sections (the sections' and
-    :class:`Config`'s ``__post_init__``). Raises ConfigError."""
+    :class:`Config`'s ``__post_init__``, run as the objects are built). Returns the :class:`Config`; raises
+    ConfigError."""
     check_ranges(cfg)
-    OmegaConf.to_object(cfg)
+    return OmegaConf.to_object(cfg)
+
+
+def defaults() -> dict[str, Any]:
+    """Every key's default, section by section, interpolations unresolved (``${run.name}``): recipes/base.yaml as
+    plain values."""
+    return copy.deepcopy(_schema()[1])
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The plain form of ``cfg`` (nested dicts and lists, section by section in schema order): what a checkpoint's
+    trainer state and a W&B run hold."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    """``cfg`` as YAML (a run's ``config.yaml``; :func:`load_config` reads it back)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,13 @@
 """The import rule of docs/architecture.md, read from the source with ``ast`` (every ``import`` and
-``from ... import``, also those inside functions): the algorithm does not reach up into the entry points
-or down into a concrete actor or rollout engine."""
+``from ... import``, also those inside functions):
+
+1. layers: every unit (a folder of the package, or a module at its root) stands in one layer of :data:`LAYERS`,
+   lowest first; a module imports its own unit and units of LOWER layers only (no upward import, none sideways
+   to another unit of its layer);
+2. no import loops: the graph of the package's modules (file -> the file it imports) has no cycle;
+3. each library unit imports only what :data:`ALLOWED` names (narrower than its layer: the algorithm does not
+   reach down into a concrete actor or rollout engine), and only the units above the entry points import them.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +18,38 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "laconic_nemo"
 
+# the layers, lowest first: a unit imports its own modules and those of the layers below it
+LAYERS = (
+    ("core", "data", "rewards", "runtime"),  # the mathematics, the data, the reward, process / device machinery
+    ("config", "integrations"),  # the recipe schema; the plug-ins for other frameworks
+    ("bridge",),  # Hugging Face <-> megatron-core weights
+    ("grpo",),  # the loop, its loss, checkpoints, metrics and the actor contract
+    ("rollout",),  # decode engines
+    ("actors",),  # the policies
+    ("plan", "tools"),  # what runs before a launch; the commands beside training (simulate, export, convert)
+    ("app",),  # the entry points
+    ("eval",),  # evaluation (finds a run's warm-up through the entry point's cache key)
+    ("cli", "nemo_entry", "__init__"),  # the command line, the in-container alias, the package
+    ("__main__",),  # ``python -m laconic_nemo``
+)
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
 # what each library unit may import of the project (itself included); grpo.interfaces is the actor contract
 ALLOWED = {
     "core": {"core"},
     "data": {"data"},
     "rewards": {"rewards"},
-    "faults": set(),
-    "kernels": set(),
-    "megatron_env": set(),
-    "tokenizer_checks": set(),
-    "config": {"kernels", "core"},
-    "bridge": {"bridge", "kernels"},
-    "grpo": {"grpo", "core", "data", "rewards", "config", "faults", "tokenizer_checks"},
-    "rollout": {"rollout", "bridge", "grpo.interfaces"},
-    "actors": {"actors", "bridge", "kernels", "megatron_env", "rollout", "grpo.interfaces"},
+    "runtime": {"runtime"},
+    "config": {"config", "core", "runtime.kernels"},
+    "bridge": {"bridge", "runtime.kernels"},
+    "grpo": {"grpo", "core", "data", "rewards", "config", "runtime"},
+    "rollout": {"rollout", "bridge", "config", "grpo.interfaces"},
+    "actors": {"actors", "bridge", "config", "runtime", "rollout", "grpo.interfaces"},
     # the plug-ins for other frameworks: the core's formulas and their framework, nothing else of the project
     "integrations": {"integrations", "core"},
 }
-# the only modules that may import the entry points (laconic_nemo.app)
-APP_IMPORTERS = {"app", "cli", "nemo_entry", "launch_plan", "eval"}
+# the only units that may import the entry points (laconic_nemo.app)
+APP_IMPORTERS = {"app", "cli", "nemo_entry", "eval"}
 
 
 def unit_of(path: Path, pkg: Path = PKG) -> str:
@@ -72,10 +92,116 @@ def violations(files, pkg: Path = PKG) -> list[str]:
     return bad
 
 
+def module_file(name: str, pkg: Path = PKG) -> Path | None:
+    """The file of the longest prefix of the dotted ``name`` that is a module or package of ``pkg``
+    (``core.SHAPERS`` -> core/__init__.py, ``grpo.loss.make_grpo_loss_fn`` -> grpo/loss.py)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        base = pkg.joinpath(*parts[:n])
+        for cand in (base.with_suffix(".py"), base / "__init__.py"):
+            if cand.is_file():
+                return cand
+    return None
+
+
+def import_graph(files, pkg: Path = PKG) -> dict[Path, dict[Path, int]]:
+    """file -> {imported file: line of the first such import} over the project's own modules."""
+    graph: dict[Path, dict[Path, int]] = {}
+    for f in files:
+        edges = graph.setdefault(f, {})
+        for line, name in project_imports(f, pkg):
+            target = module_file(name, pkg)
+            if target is not None and target != f:
+                edges.setdefault(target, line)
+    return graph
+
+
+def upward_imports(files, pkg: Path = PKG) -> list[str]:
+    """Every import of a unit of the same or a higher layer than the importing module's (its own unit aside)."""
+    bad = []
+    for f in files:
+        unit = unit_of(f, pkg)
+        for line, name in project_imports(f, pkg):
+            target = module_file(name, pkg)
+            other = unit_of(target, pkg) if target is not None else name.split(".")[0]
+            if other == unit:
+                continue
+            where = f"{f.relative_to(pkg.parent)}:{line} ({unit}, layer {LAYER.get(unit)})"
+            if unit not in LAYER or other not in LAYER:
+                bad.append(f"{where} imports laconic_nemo.{name}: a unit without a layer ({other})")
+            elif LAYER[other] >= LAYER[unit]:
+                way = "up" if LAYER[other] > LAYER[unit] else "sideways"
+                bad.append(f"{where} imports {way}: laconic_nemo.{name} ({other}, layer {LAYER[other]})")
+    return bad
+
+
+def import_loops(files, pkg: Path = PKG) -> list[str]:
+    """Each cycle of :func:`import_graph` (a strongly connected set of two files or more), as the files and the
+    imports that tie them (``a.py:12 -> b.py``)."""
+    graph = import_graph(files, pkg)
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    on_stack: set[Path] = set()
+    loops: list[list[Path]] = []
+
+    def visit(v: Path) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in loops:
+        members = set(component)
+        ties = [f"{a.relative_to(pkg.parent)}:{line} -> {b.relative_to(pkg.parent)}"
+                for a in component for b, line in sorted(graph[a].items()) if b in members]
+        out.append(f"loop of {len(component)} files: " + "; ".join(ties))
+    return out
+
+
+def package_files(pkg: Path = PKG) -> list[Path]:
+    return sorted(pkg.rglob("*.py"))
+
+
 def test_every_module_keeps_to_the_import_rule():
-    files = sorted(PKG.rglob("*.py"))
+    files = package_files()
     assert {unit_of(f) for f in files} >= set(ALLOWED), "a unit of the rule no longer exists: update the rule"
     assert violations(files) == []
+
+
+def test_every_unit_has_a_layer_and_imports_only_below_it():
+    files = package_files()
+    assert {unit_of(f) for f in files} == set(LAYER), "a unit without a layer, or a layer without its unit"
+    assert upward_imports(files) == []
+
+
+def test_no_import_loops():
+    assert import_loops(package_files()) == []
+
+
+def test_the_package_root_keeps_at_most_six_modules():
+    """The command line, the recipe schema and a few leaves; the rest stands in folders that say their role."""
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 6, root
 
 
 @pytest.mark.parametrize("unit, source, needle", [
@@ -83,7 +209,7 @@ def test_every_module_keeps_to_the_import_rule():
     ("grpo", "def f():\n    from laconic_nemo.actors.megatron_core import MegatronCoreActor\n",
      "(grpo) imports laconic_nemo.actors.megatron_core"),
     ("grpo", "import laconic_nemo.app.run\n", "(grpo) imports laconic_nemo.app.run"),
-    ("export", "from laconic_nemo.app.task import Task\n", "(export) imports the entry points"),
+    ("tools", "from laconic_nemo.app.task import Task\n", "(tools) imports the entry points"),
     ("rollout", "from laconic_nemo.grpo.trainer import GRPOTrainer\n", "(rollout) imports laconic_nemo.grpo.trainer"),
     ("actors", "from laconic_nemo.grpo import trainer\n", "(actors) imports laconic_nemo.grpo.trainer"),
     ("data", "from . import sampler\nfrom laconic_nemo.rewards import extract_answer\n",
@@ -99,3 +225,56 @@ def test_the_rule_catches_a_forbidden_import(tmp_path, unit, source, needle):
     planted.write_text(source)
     bad = violations([planted], fake)
     assert len(bad) == 1 and needle in bad[0], bad
+
+
+def _plant(root: Path, files: dict[str, str]) -> list[Path]:
+    out = []
+    for rel, source in files.items():
+        p = root / "laconic_nemo" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(source)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("unit, target, needle", [
+    ("core", "grpo.loss", "(core, layer 0) imports up: laconic_nemo.grpo.loss (grpo, layer 3)"),
+    ("plan", "tools.export", "(plan, layer 6) imports sideways: laconic_nemo.tools.export (tools, layer 6)"),
+    ("plan", "app.task", "(plan, layer 6) imports up: laconic_nemo.app.task (app, layer 7)"),
+    ("grpo", "somewhere.x", "imports laconic_nemo.somewhere.x: a unit without a layer (somewhere)"),
+])
+def test_the_rule_catches_an_upward_import(tmp_path, unit, target, needle):
+    """A planted import from a unit to one of a higher (or the same) layer is reported with both layers; one
+    down is not."""
+    module, name = target.rsplit(".", 1)
+    files = _plant(tmp_path, {f"{unit}/planted.py": f"def f():\n    from laconic_nemo.{module} import {name}\n",
+                              f"{module.replace('.', '/')}.py": f"{name} = 1\n",
+                              "data/below.py": "X = 1\n"})
+    bad = upward_imports(files, tmp_path / "laconic_nemo")
+    assert len(bad) == 1 and needle in bad[0], bad
+    down = _plant(tmp_path, {f"{unit}/fine.py": "from laconic_nemo.data.below import X\n"})
+    if unit != "core":
+        assert upward_imports(down, tmp_path / "laconic_nemo") == []
+
+
+def test_the_rule_catches_an_import_loop(tmp_path):
+    """Three planted files that import each other in a ring (one inside a function, one through a package's
+    ``__init__``) are one loop naming each tie; a file that only imports into the ring is not part of it."""
+    files = _plant(tmp_path, {
+        "plan/__init__.py": "from laconic_nemo.plan.a import A\n",
+        "plan/a.py": "import laconic_nemo.plan.b\nA = 1\n",
+        "plan/b.py": "def f():\n    from laconic_nemo.app.c import C\n",
+        "app/c.py": "from laconic_nemo.plan import A\nC = 2\n",
+        "app/outside.py": "from laconic_nemo.app.c import C\n",
+    })
+    pkg = tmp_path / "laconic_nemo"
+    loops = import_loops(files, pkg)
+    assert len(loops) == 1, loops
+    assert loops[0].startswith("loop of 4 files: ")
+    for tie in ("laconic_nemo/plan/__init__.py:1 -> laconic_nemo/plan/a.py",
+                "laconic_nemo/plan/a.py:1 -> laconic_nemo/plan/b.py",
+                "laconic_nemo/plan/b.py:2 -> laconic_nemo/app/c.py",
+                "laconic_nemo/app/c.py:1 -> laconic_nemo/plan/__init__.py"):
+        assert tie in loops[0], (tie, loops[0])
+    assert "outside" not in loops[0]
+    assert import_loops([f for f in files if f.name != "b.py"], pkg) == []

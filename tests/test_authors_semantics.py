@@ -6,7 +6,7 @@ when L hit max_response_length, subtracted from the score; lambda <- clip(lambda
 floor, ceil) after the update, the initial lambda unclipped) and EasyR1 v0.3.2.dev0 (L = response-mask sum,
 which keeps the first EOS: verl/utils/torch_functional.py::get_response_mask; GRPO advantage
 (score - mean) / (torch.std(group) + 1e-6): verl/trainer/core_algos.py::compute_grpo_outcome_advantage).
-Our side runs the recipes through the trainer's own builders (laconic_nemo.grpo.build).
+Our side runs the recipes through the trainer's own code (grpo/trainer.py: the lambda controller, shaped_advantages).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from laconic_nemo.config import load_config
-from laconic_nemo.core import cost_lengths, group_advantages
-from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper
+from laconic_nemo.core import as_groups, cost_lengths, lambda_controller
+from laconic_nemo.grpo.trainer import shaped_advantages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_fifty_dual_steps_match_the_authors_semantics(name):
     assert lc.count_eos and cfg.grpo.advantage_std == "unbiased" and lc.lambda_init == 0.0
     B, eta, floor, ceil = float(lc.budget), float(lc.eta), float(lc.floor), float(lc.ceiling)
     cap, hit = float(lc.penalty_cap), float(lc.hit_cap)
-    shaper, dual = build_shaper(cfg), build_dual(cfg)
+    dual = lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)  # as GRPOTrainer builds it
     rng = random.Random(name)
     lam_ref = 0.0
     prompts = 16
@@ -90,11 +90,11 @@ def test_fifty_dual_steps_match_the_authors_semantics(name):
         assert L.tolist() == mask_len and flags is None
         lam_used = dual.value
         assert lam_used == lam_ref
-        shaped, _ = shaper(torch.tensor(rewards, dtype=torch.float64), L, flags, G, lam_used)
+        shaped, adv, _ = shaped_advantages(cfg, as_groups(torch.tensor(rewards, dtype=torch.float64), G),
+                                           as_groups(L, G), lam_used, truncated=flags)
         ref = _authors_scores(lam_ref, rewards, mask_len, B, lmax, cap, hit)
-        assert shaped.tolist() == pytest.approx(ref, abs=1e-12)
-        adv = group_advantages(shaped, G, **advantage_settings(cfg))
-        assert adv.tolist() == pytest.approx(_easyr1_grpo(ref, G), rel=1e-9, abs=1e-9)
+        assert shaped.flatten().tolist() == pytest.approx(ref, abs=1e-12)
+        assert adv.flatten().tolist() == pytest.approx(_easyr1_grpo(ref, G), rel=1e-9, abs=1e-9)
         mean_L = float(int(L.sum())) / float(L.numel())          # the trainer's exact global mean
         lam_new = dual.update(mean_L)
         lam_ref = _authors_dual(lam_ref, mask_len, B, eta, floor, ceil)
@@ -112,7 +112,8 @@ def test_first_step_unclipped_then_floor():
     """deepscaler_1.5b_b2000: lambda_init 0 < floor 1e-5 prices step 1 (only hit penalties), then a dual step
     under budget lands exactly on the floor, as the authors' clip(lambda + dual_lr (ratio - 1), floor, ceil)."""
     cfg = load_config(ROOT / "recipes" / "deepscaler_1.5b_b2000.yaml")
-    shaper, dual = build_shaper(cfg), build_dual(cfg)
-    shaped, _ = shaper(torch.tensor([1.0, 1.0, 0.0, 0.9]), torch.tensor([3000, 4096, 100, 2500]), None, 4, dual.value)
-    assert shaped.tolist() == pytest.approx([1.0, 0.9, 0.0, 0.9], abs=1e-7)
+    dual = lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
+    shaped, _, _ = shaped_advantages(cfg, torch.tensor([[1.0, 1.0, 0.0, 0.9]]), torch.tensor([[3000, 4096, 100, 2500]]),
+                                     dual.value)
+    assert shaped.flatten().tolist() == pytest.approx([1.0, 0.9, 0.0, 0.9], abs=1e-7)
     assert dual.update(1000.0) == 1e-5

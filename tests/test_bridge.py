@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def dist1():
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     info = init_distributed(1, 1, seed=0)
     yield info

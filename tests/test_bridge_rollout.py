@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def dist1():
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     yield init_distributed(1, 1, seed=0)
     destroy_distributed()
@@ -79,7 +79,9 @@ def test_build_generation_output_layout():
 
 
 def test_engine_needs_vllm_and_reads_recipe():
-    cfg = {"rollout": {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096}}
+    from laconic_nemo.config import build_config
+
+    cfg = build_config({"rollout": {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096}})
     s = sampling_from_recipe(cfg, eos_id=5, seed=3)
     assert (s.temperature, s.top_p, s.max_new_tokens, s.eos_id, s.seed) == (0.6, 0.95, 4096, 5, 3)
     arch = arch_from_hf_config(tiny_hf_model("qwen2")[0])

@@ -217,7 +217,7 @@ def _worker(rank, world, port, q):
 
 @pytest.mark.slow
 def test_ranks_agree_bit_for_bit_after_all_reduce():
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

@@ -12,12 +12,15 @@ from laconic_nemo.core import (
     SHAPERS,
     DualController,
     Shaper,
+    as_groups,
+    constant_lambda,
     group_advantages,
+    lambda_controller,
     load_shaper_state,
     next_lambda,
+    shape,
     shaper_state,
 )
-from laconic_nemo.grpo.build import build_dual, build_shaper, constant_lambda
 
 LMAX = 4096
 BASE_CFG = {  # recipes/base.yaml `laconic:` defaults
@@ -27,10 +30,26 @@ BASE_CFG = {  # recipes/base.yaml `laconic:` defaults
 
 
 def shaper_from_config(laconic, max_length=LMAX, **data):
-    """The recipe's shaper and lambda controller, as the trainer builds them from a `laconic:` section (checked
+    """The recipe's config and lambda controller, as the trainer builds it from a `laconic:` section (checked
     at the config boundary)."""
     cfg = build_config({"laconic": dict(laconic), "rollout": {"max_new_tokens": max_length}, "data": data})
-    return cfg, build_dual(cfg)
+    return cfg, lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
+
+
+def recipe_shaper(cfg):
+    """The shaping call of the trainer (grpo/trainer.py): the recipe's `laconic:` section and L_max."""
+    return lambda r, L, trunc, lam, targets=None: shape(cfg.laconic, r, L, lam, max_length=cfg.rollout.max_new_tokens,
+                                                       truncated=trunc, targets=targets)
+
+
+def by_groups(shaper, rewards, lengths, truncated, group_size, lam, targets=None):
+    """``shaper`` on a flat batch whose groups of ``group_size`` are contiguous: grouped [P, G] for the core
+    (core.as_groups), the shaped rewards flat again."""
+    def grouped(t):
+        return None if t is None else as_groups(torch.as_tensor(t), group_size)
+
+    shaped, metrics = shaper(grouped(rewards), grouped(lengths), grouped(truncated), lam, targets=grouped(targets))
+    return shaped.flatten(), metrics
 
 
 def _batch(seed, P=6, G=8, lmax=LMAX, graded=False):
@@ -96,7 +115,7 @@ def test_laconic_hand_values():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0])
     L = torch.tensor([500, 1500, 3000, 4000])
     trunc = torch.tensor([False, False, False, True])
-    shaped, m = s(r, L, trunc, group_size=2, lam=0.2)
+    shaped, m = by_groups(s, r, L, trunc, group_size=2, lam=0.2)
     # costs 0, 0.5, 2, 3 ; penalties 0, 0.1, 0.4, 0.6
     assert shaped.tolist() == pytest.approx([1.0, 0.9, -0.4, 0.4], abs=1e-6)
     assert m["mean_length"] == 2250.0 and m["frac_over_budget"] == 0.75 and m["frac_truncated"] == 0.25
@@ -104,7 +123,7 @@ def test_laconic_hand_values():
     assert m["task_reward_mean"] == 0.75 and m["shaped_reward_mean"] == pytest.approx(1.9 / 4)
     # authors' knobs: penalty capped at 0.3, truncated responses pay 0.1 more
     s2 = Shaper("laconic", budget=1000, max_length=4000, penalty_cap=0.3, hit_cap=0.1)
-    shaped2, m2 = s2(r, L, trunc, group_size=2, lam=0.2)
+    shaped2, m2 = by_groups(s2, r, L, trunc, group_size=2, lam=0.2)
     assert shaped2.tolist() == pytest.approx([1.0, 0.9, -0.3, 0.6], abs=1e-6)
     assert m2["frac_penalty_capped"] == 0.5
 
@@ -115,7 +134,7 @@ def test_efficient_hand_values():
     # group 2: single correct -> z = 0 -> 1 - 0.05 ; group 3: none correct -> all 0
     r = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     L = torch.tensor([100, 300, 50, 10, 999, 20, 1, 2, 3])
-    shaped, m = s(r, L, None, group_size=3, lam=0.0)
+    shaped, m = by_groups(s, r, L, None, group_size=3, lam=0.0)
     sig = 1 / (1 + math.exp(-1))
     expected = [1 - 0.1 * (1 - sig), 1 - 0.1 * sig, 0.0, 0.0, 0.95, 0.0, 0.0, 0.0, 0.0]
     assert shaped.tolist() == pytest.approx(expected, abs=1e-6)
@@ -126,16 +145,16 @@ def test_l1_and_overlong_hand_values():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0])
     L = torch.tensor([1000, 3000, 1000, 4096])
     n_gold = torch.tensor([2000, 2000, 2000, 4096])
-    e, _ = Shaper("l1_exact")(r, L, None, 2, 0.0, targets=n_gold)
+    e, _ = by_groups(Shaper("l1_exact"), r, L, None, 2, 0.0, targets=n_gold)
     assert e.tolist() == pytest.approx([1 - 0.3, 1 - 0.3, -0.3, 1.0], abs=1e-6)
-    mx, m = Shaper("l1_max")(r, L, None, 2, 0.0, targets=n_gold)
+    mx, m = by_groups(Shaper("l1_max"), r, L, None, 2, 0.0, targets=n_gold)
     assert mx.tolist() == pytest.approx([0.8, 0.2, 0.0, 0.5], abs=1e-6)
     assert m["frac_over_target"] == 0.25
-    o, m = Shaper("overlong", max_length=4096, overlong_buffer=1024)(r, L, None, 2, 0.0)
+    o, m = by_groups(Shaper("overlong", max_length=4096, overlong_buffer=1024), r, L, None, 2, 0.0)
     # 3000 is 0 tokens into the buffer [3072, 4096]: no penalty; 4096 is at its end: -1
     assert o.tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-6)
-    o2, _ = Shaper("overlong", max_length=4096, overlong_buffer=1024, overlong_penalty=0.5)(
-        r, torch.tensor([3584, 3072, 4000, 4096]), None, 2, 0.0)
+    o2, _ = by_groups(Shaper("overlong", max_length=4096, overlong_buffer=1024, overlong_penalty=0.5),
+                      r, torch.tensor([3584, 3072, 4000, 4096]), None, 2, 0.0)
     assert o2.tolist() == pytest.approx([0.75, 1.0, -0.5 * 928 / 1024, 0.5], abs=1e-6)
 
 
@@ -166,7 +185,7 @@ def test_all_shapers_match_references(seed):
     assert sorted(cases) == sorted(SHAPERS)
     for name, (cfg, lam_s, ref) in cases.items():
         s = Shaper(name, max_length=LMAX, **cfg)
-        shaped, m = s(rt, Lt, trt, group_size=8, lam=lam_s, targets=tgt)
+        shaped, m = by_groups(s, rt, Lt, trt, group_size=8, lam=lam_s, targets=tgt)
         assert shaped.dtype == torch.float32 and shaped.shape == rt.shape
         assert shaped.tolist() == pytest.approx(ref, rel=1e-6, abs=1e-6), name
         for key in ("mean_length", "frac_over_budget", "mean_cost", "lambda", "task_reward_mean",
@@ -185,10 +204,10 @@ def test_lambda_zero_laconic_equals_grpo():
         rt, Lt, trt, _ = _t(*_batch(seed, graded=seed % 2 == 0))
         lac = Shaper("laconic", budget=1000, max_length=LMAX, penalty_cap=0.4)
         grpo = Shaper("grpo", budget=1000, max_length=LMAX)
-        a, _ = lac(rt, Lt, trt, 8, 0.0)
-        b, _ = grpo(rt, Lt, trt, 8, 0.0)
+        a, _ = by_groups(lac, rt, Lt, trt, 8, 0.0)
+        b, _ = by_groups(grpo, rt, Lt, trt, 8, 0.0)
         assert torch.equal(a, b)
-        assert torch.equal(group_advantages(a, 8), group_advantages(b, 8))
+        assert torch.equal(group_advantages(as_groups(a, 8)), group_advantages(as_groups(b, 8)))
 
 
 def test_laconic_reward_ordering_at_ceiling():
@@ -200,7 +219,7 @@ def test_laconic_reward_ordering_at_ceiling():
     assert dual.value == dual.ceiling
     r = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
     L = torch.tensor([LMAX - 1, 2000, 0, B])
-    shaped, _ = Shaper("laconic", budget=B, max_length=LMAX)(r, L, None, 4, dual.value)
+    shaped, _ = by_groups(Shaper("laconic", budget=B, max_length=LMAX), r, L, None, 4, dual.value)
     assert min(shaped[:2]) > max(shaped[2:])
 
 
@@ -210,7 +229,7 @@ def test_adaptive_dual_update_and_state():
     assert SHAPERS["laconic"].lam == "dual" and s.value == 1e-5
     lam = next_lambda(s, s.value, 3000)
     assert lam == pytest.approx(1e-5 + 0.01 * (3000 / 1500 - 1)) and s.value == lam
-    _, m = build_shaper(cfg)(torch.ones(4), torch.tensor([100, 200, 300, 4000]), None, 4, s.value)
+    _, m = by_groups(recipe_shaper(cfg), torch.ones(4), torch.tensor([100, 200, 300, 4000]), None, 4, s.value)
     assert m["lambda"] == lam
     sd = shaper_state("laconic", s)
     _, t = shaper_from_config({**BASE_CFG, "eta": 0.01, "floor": 1e-5, "lambda_init": 1e-5})
@@ -224,28 +243,29 @@ def test_adaptive_dual_update_and_state():
 
 @pytest.mark.parametrize("name", ["fixed", "grpo", "l1_exact", "l1_max", "efficient", "overlong"])
 def test_non_adaptive_dual_interface_is_noop(name):
-    cfg, dual = shaper_from_config({**BASE_CFG, "shaper": name, "budget": 1000, "lambda_init": 0.01})
-    lam0 = constant_lambda(cfg)
+    targets = {"target_length_range": [100, 200]} if SHAPERS[name].needs_targets else {}  # the L1 shapers' data key
+    cfg, dual = shaper_from_config({**BASE_CFG, "shaper": name, "budget": 1000, "lambda_init": 0.01}, **targets)
+    lam0 = constant_lambda(cfg.laconic)
     assert lam0 == (0.01 if name == "fixed" else 0.0)
     assert dual is None and SHAPERS[name].lam != "dual"
     assert next_lambda(dual, lam0, 3000.0) == lam0
     sd = shaper_state(name, dual)
     load_shaper_state(name, dual, sd)
-    assert constant_lambda(cfg) == lam0
+    assert constant_lambda(cfg.laconic) == lam0
     with pytest.raises(ValueError, match="global_mean_length"):
         next_lambda(dual, lam0, math.nan)
 
 
 def test_linear_shaper_rewards_shortness_below_budget():
     s = Shaper("linear", budget=1000, max_length=LMAX)
-    shaped, m = s(torch.ones(3), torch.tensor([0, 500, 1000]), None, 3, 0.1)
+    shaped, m = by_groups(s, torch.ones(3), torch.tensor([0, 500, 1000]), None, 3, 0.1)
     assert shaped.tolist() == pytest.approx([1.1, 1.05, 1.0])
     assert m["mean_cost"] == pytest.approx(-0.5)
 
 
 def test_truncated_default_from_max_length():
     s = Shaper("laconic", budget=1000, max_length=2000, hit_cap=0.5)
-    shaped, m = s(torch.ones(2), torch.tensor([1999, 2000]), None, 2, 0.0)
+    shaped, m = by_groups(s, torch.ones(2), torch.tensor([1999, 2000]), None, 2, 0.0)
     assert shaped.tolist() == [1.0, 0.5] and m["frac_truncated"] == 0.5
 
 
@@ -253,15 +273,15 @@ def test_truncated_default_from_max_length():
 def test_bad_inputs():
     s = Shaper("laconic", budget=1000, max_length=2000)
     with pytest.raises(ValueError, match="divisible by group_size"):
-        s(torch.ones(5), torch.ones(5), None, 2, 0.0)
+        by_groups(s, torch.ones(5), torch.ones(5), None, 2, 0.0)
     with pytest.raises(ValueError, match="lengths"):
-        s(torch.ones(4), torch.ones(3), None, 2, 0.0)
+        s(torch.ones(2, 2), torch.ones(1, 3), None, 0.0)
     with pytest.raises(ValueError, match="max_length"):
-        s(torch.ones(2), torch.tensor([10, 2001]), None, 2, 0.0)
+        by_groups(s, torch.ones(2), torch.tensor([10, 2001]), None, 2, 0.0)
     with pytest.raises(ValueError, match="truncated"):
-        s(torch.ones(2), torch.tensor([10, 20]), torch.tensor([0, 1]), 2, 0.0)
+        by_groups(s, torch.ones(2), torch.tensor([10, 20]), torch.tensor([0, 1]), 2, 0.0)
     with pytest.raises(ValueError, match="targets"):
-        Shaper("l1_exact")(torch.ones(2), torch.tensor([10, 20]), None, 2, 0.0)
+        by_groups(Shaper("l1_exact"), torch.ones(2), torch.tensor([10, 20]), None, 2, 0.0)
 
 
 @pytest.mark.parametrize("override,key", [
@@ -304,7 +324,7 @@ def test_config_keys_match_base_yaml():
     for name in SHAPERS:  # the base section builds every method
         cfg, _ = shaper_from_config({**base, "shaper": name}, max_length=base_max_length(),
                                     target_length_range=[1, 2])
-        assert build_shaper(cfg).name == name
+        assert cfg.laconic.shaper == name and SHAPERS[cfg.laconic.shaper] is SHAPERS[name]
     assert base["shaper"] in SHAPERS
 
 
@@ -323,7 +343,7 @@ def test_omegaconf_section_and_authors_settings():
     cfg = OmegaConf.create({"laconic": {**BASE_CFG, "budget": 2000, "eta": 0.002, "floor": 1e-5,
                                         "lambda_init": 1e-5, "ceiling": 0.1, "penalty_cap": 0.4, "hit_cap": 0.1}})
     c, dual = shaper_from_config(cfg.laconic, max_length=4096)
-    s = build_shaper(c)
+    s = c.laconic  # the shaper's settings are the section itself
     assert dual.ceiling == 0.1 and dual.floor == 1e-5 and s.penalty_cap == 0.4 and s.hit_cap == 0.1
 
 
@@ -334,6 +354,6 @@ def test_lambda_init_below_floor_accepted_first_step_unpenalised():
                                     "penalty_cap": 0.4, "hit_cap": 0.1})
     r = torch.tensor([1.0, 0.0, 1.0, 0.0])
     L = torch.tensor([100, 3000, LMAX, 1500])
-    shaped, _ = build_shaper(cfg)(r, L, None, 2, dual.value)
+    shaped, _ = by_groups(recipe_shaper(cfg), r, L, None, 2, dual.value)
     assert shaped.tolist() == pytest.approx([1.0, 0.0, 0.9, 0.0], abs=1e-7)
     assert next_lambda(dual, dual.value, 100.0) == 1e-5

@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.core import DualController, load_shaper_state, shaper_state
-from laconic_nemo.grpo.build import build_dual
+from laconic_nemo.core import DualController, lambda_controller, load_shaper_state, shaper_state
+
+
+def trainer_controller(cfg):
+    """The lambda controller GRPOTrainer builds from a recipe."""
+    return lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
 
 
 def _old_update(lam, m, eta, budget, floor, ceiling):
@@ -176,11 +180,11 @@ def test_config_validation_names_the_key(override, key):
 
 def test_recipe_builds_the_pid_controller():
     cfg = load_config("tiny_cpu", ["laconic.controller=pid", "laconic.kp=0.4", "laconic.kd=0.6"])
-    d = build_dual(cfg)
+    d = trainer_controller(cfg)
     assert (d.controller, d.kp, d.eta, d.kd) == ("pid", 0.4, float(cfg.laconic.eta), 0.6)
     lam = d.update(46.0)
     assert lam == pytest.approx(0.05 * (46 / 31 - 1) + 0.4 * (46 / 31 - 1))
-    assert build_dual(load_config("tiny_cpu")).controller == "integral"
+    assert trainer_controller(load_config("tiny_cpu")).controller == "integral"
 
 
 def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_bit_for_bit():
@@ -219,26 +223,26 @@ def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_
     first = [t.train_step(s) for s in range(3)]
     for m in first:
         assert m["lambda"] == ref.value and m["lambda_next"] == ref.update(m["mean_response_length"])
-    saved = json.loads(json.dumps(shaper_state(t.shaper.name, t.dual)))
+    saved = json.loads(json.dumps(shaper_state(t.cfg.laconic.shaper, t.dual)))
     tail = [t.train_step(s)["lambda_next"] for s in range(3, 5)]
     u = trainer()
     u.actor.calls.extend([0, 0, 0])  # the stub's rollouts of steps 3 and 4
-    load_shaper_state(u.shaper.name, u.dual, saved)
+    load_shaper_state(u.cfg.laconic.shaper, u.dual, saved)
     assert [u.train_step(s)["lambda_next"].hex() for s in range(3, 5)] == [v.hex() for v in tail]
     assert len({m["lambda_next"] for m in first}) == 3
 
 
 def test_tiny_cpu_pid_recipe_differs_from_tiny_cpu_only_in_the_controller():
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_dict
 
     base, pid = load_config("tiny_cpu"), load_config("tiny_cpu_pid")
-    a, b = OmegaConf.to_container(base), OmegaConf.to_container(pid)
+    a, b = to_dict(base), to_dict(pid)
     diff = {k for k in a["laconic"] if a["laconic"][k] != b["laconic"][k]}
     assert diff == {"controller", "eta", "kp"}
     a.pop("laconic"), b.pop("laconic")
     a["run"].pop("name"), b["run"].pop("name"), a["run"].pop("output_dir"), b["run"].pop("output_dir")
     assert a == b
-    dual = build_dual(pid)
+    dual = trainer_controller(pid)
     assert dual.controller == "pid" and dual.kp > 0
 
 
@@ -264,7 +268,7 @@ def _rank_worker(rank, world, port, q):
 def test_pid_ranks_agree_bit_for_bit_after_all_reduce():
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

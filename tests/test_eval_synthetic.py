@@ -57,7 +57,7 @@ def test_tp2_run_policies_reload_and_evaluate(tmp_path):
     from laconic_nemo.eval.runner import SAMPLES, read_samples
     from laconic_nemo.eval.synthetic import MegatronBackend, run_config, warmup_policy_dir
     from laconic_nemo.grpo.interfaces import TrainBatch
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed
 
     run = tmp_path / "run"
     synthetic_policy_checks.launch(str(run))

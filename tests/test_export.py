@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 import export_checks  # noqa: E402
 
 from laconic_nemo.cli import main as cli_main  # noqa: E402
-from laconic_nemo.export import ExportError, export_hf  # noqa: E402
+from laconic_nemo.tools.export import ExportError, export_hf  # noqa: E402
 from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def _check_eval_on_run_dir(tmp_path: Path, run: Path, ref: dict) -> None:
     """`laconic-nemo eval --model RUN_DIR` exports the run once into OUTPUT_DIR/model and evaluates that."""
     pytest.importorskip("math_verify")
     from laconic_nemo.eval.runner import SAMPLES, read_samples
-    from laconic_nemo.export import MARKER
+    from laconic_nemo.tools.export import MARKER
 
     out = tmp_path / "eval"
     argv = ["eval", "--model", str(run), "--backend", "transformers", "--benchmarks", "math500", "--n-samples", "1",

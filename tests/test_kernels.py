@@ -1,4 +1,4 @@
-"""SDPAttention (laconic_nemo.kernels) against megatron's own DotProductAttention and a float64 reference, the
+"""SDPAttention (laconic_nemo.runtime.kernels) against megatron's own DotProductAttention and a float64 reference, the
 on-device sampler's pieces (counter-based uniforms, inverse CDF, compaction) and the per-device choices."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from laconic_nemo.grpo.interfaces import SamplingParams
-from laconic_nemo.kernels import SDPAttention, fusion_flags, resolve_attention
 from laconic_nemo.rollout.megatron_sampler import counter_uniforms, draw_on_device, sample_on_device, sample_seed
+from laconic_nemo.runtime.kernels import SDPAttention, fusion_flags, resolve_attention
 
 
 @pytest.fixture(scope="module")
 def mp_state():
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     init_distributed(1, 1, backend="gloo", seed=0)
     yield

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from laconic_nemo.config import load_config
-from laconic_nemo.launch_plan import plan_layout, render_commands
+from laconic_nemo.plan.cli import render_commands
+from laconic_nemo.plan.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
@@ -394,3 +395,17 @@ def test_every_wrapper_row_fits_its_recipe():
         assert plan.world_size == 8 * w.nodes, w.name
         converts = cfg.model.source == "nemo" and not str(cfg.model.path).startswith("/results/")
         assert (w.hf_model is not None) == converts, w.name
+
+
+def test_default_mounts_are_the_scripts_from_the_repository_root(monkeypatch):
+    """Without MOUNTS or REPO_DIR, `plan` mounts the repository root (the folder holding launch/ and recipes/) where
+    launch/submit.sh mounts REPO_DIR (its default: the submit folder, the repository root), with the same
+    DATA_DIR / CKPT_DIR / RESULTS_DIR defaults."""
+    from laconic_nemo.plan.cli import default_mounts
+
+    for key in ("REPO_DIR", "DATA_DIR", "CKPT_DIR", "RESULTS_DIR", "MOUNTS"):
+        monkeypatch.delenv(key, raising=False)
+    cmds = dry_run("deepseek_b1500.sh", SLURM_JOB_NUM_NODES="2", REPO_DIR=str(ROOT))
+    script = next(t.split("=", 1)[1] for t in shlex.split(cmds[-1]) if t.startswith("--container-mounts="))
+    assert default_mounts() == script
+    assert default_mounts().endswith(f",{ROOT}:/opt/laconic-nemo") and (ROOT / "launch" / "submit.sh").is_file()

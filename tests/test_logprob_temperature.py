@@ -68,7 +68,7 @@ def test_megatron_token_logprobs_divide_by_temperature():
     """MegatronCoreActor.token_logprobs on a single TP rank equals float64 log_softmax(logits / T)."""
     pytest.importorskip("megatron.core")
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     init_distributed(1, 1, seed=0)
     try:

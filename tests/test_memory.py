@@ -16,7 +16,7 @@ ARCH = dict(model_type="qwen2", hidden_size=96, num_layers=3, num_attention_head
 
 @pytest.fixture(scope="module")
 def mp_state():
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     init_distributed(1, 1, backend="gloo", seed=0)
     yield
@@ -32,7 +32,7 @@ def _saved_bytes(model, lengths: list[int]) -> dict[str, int]:
     """Bytes of the distinct storages autograd keeps during one training forward of a packed sequence of rows of
     ``lengths`` tokens, by the transformer layer that saved them ("other": embedding, final norm, output layer,
     the recompute checkpoints of the block); parameters excluded."""
-    from laconic_nemo.kernels import packed_seq_params
+    from laconic_nemo.runtime.kernels import packed_seq_params
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[int, str]] = {}
@@ -98,7 +98,7 @@ def test_layer_formula_is_what_autograd_keeps(models, attention, kernel, fused, 
 def test_recomputed_layers_keep_only_their_input(models, layers):
     """megatron's full recompute (set as the actor sets it) of the first ``layers`` layers: each keeps d h per token
     (the block's checkpoint also keeps RoPE's [max_seqlen, 1, 1, hd] float32 table, once)."""
-    from laconic_nemo.actors.megatron_core import set_recompute
+    from laconic_nemo.actors.megatron_step import set_recompute
 
     arch, built = models
     model = built[("sdpa", False)]

@@ -155,7 +155,7 @@ def test_prepare_converts_once_atomically(tmp_path):
     assert prepare(cfg, str(hf), run=fake_run) == 0
     assert target.read_text() == "nemo"
     assert [p.name for p in target.parent.iterdir()] == ["m.nemo"]  # no lock or scratch folder left behind
-    assert calls[0][1:3] == ["-m", "laconic_nemo.convert_qwen2"] and "--input_name_or_path" in calls[0]
+    assert calls[0][1:3] == ["-m", "laconic_nemo.tools.convert_qwen2"] and "--input_name_or_path" in calls[0]
     assert calls[0][calls[0].index("--converter") + 1].endswith("convert_qwen2_hf_to_nemo.py")
     assert prepare(cfg, str(hf), run=fake_run) == 0 and len(calls) == 1  # exists: no second conversion
     assert prepare(load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml",
@@ -338,7 +338,7 @@ def test_end_strings_are_single_tokens_for_nemo(tmp_path, family):
     """``<|im_end|>`` is no token of the DeepSeek-R1-Distill tokenizer and ``<｜end▁of▁sentence｜>`` none of
     Qwen2.5's: NeMo (``text_generation_strategy.py:165-265``) would decode every row at every step. The
     config's end strings plus the tokenizer's single-token ones leave NeMo nothing to compare as text."""
-    from laconic_nemo.tokenizer_checks import EndStringError, resolve_end_strings
+    from laconic_nemo.plan.model_folder import EndStringError, resolve_end_strings
 
     nemo_tok, _ = _nemo_tokenizer(tmp_path, family)
     cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")

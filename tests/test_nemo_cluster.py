@@ -200,7 +200,7 @@ def test_final_export_after_an_interrupted_one(monkeypatch, tmp_path):
     from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
 
     from laconic_nemo.app.nemo_entry import export_policy_nemo
-    from laconic_nemo.export import load_nemo_weights
+    from laconic_nemo.tools.export import load_nemo_weights
     from tests.hf_fixtures import save_tiny_qwen2
 
     _torch_dist_writer_for_this_torch(monkeypatch)
@@ -307,7 +307,7 @@ def test_lr_schedule_spans_every_optimiser_step_of_the_run():
 ENTRY_WITH_SIGNAL_DURING_START_UP = """
 import os, signal, sys
 import laconic_nemo.app.nemo_entry as entry
-import laconic_nemo.grpo.run_lock as run_lock
+import laconic_nemo.runtime.run_lock as run_lock
 check = run_lock.check_free
 def check_free(*args, **kwargs):  # Slurm's notice arrives while the entry point starts up
     os.kill(os.getpid(), signal.SIG{sig})
@@ -354,7 +354,8 @@ def test_conversion_lock_stale_rules(tmp_path):
     """Whose conversion lock the next job may take over: the run lock's rules (same host and the process gone, an
     earlier run of the same Slurm job) and, for a holder on another host, no refresh for STALE_AFTER_S. A live
     holder makes the next job wait (here: a wait limit of 0 s, so it gives up at once, naming the holder)."""
-    from laconic_nemo.convert_qwen2 import (
+    from laconic_nemo.runtime.run_lock import identity
+    from laconic_nemo.tools.convert_qwen2 import (
         HEARTBEAT_S,
         STALE_AFTER_S,
         ConversionBusy,
@@ -362,7 +363,6 @@ def test_conversion_lock_stale_rules(tmp_path):
         conversion_lock_stale,
         lock_path,
     )
-    from laconic_nemo.grpo.run_lock import identity
 
     me = identity()
     assert HEARTBEAT_S < STALE_AFTER_S

@@ -1,4 +1,4 @@
-"""Packed micro-batches (laconic_nemo.actors.packing, the packed-attention kernels of laconic_nemo.kernels) in one
+"""Packed micro-batches (laconic_nemo.actors.packing, the packed-attention kernels of laconic_nemo.runtime.kernels) in one
 process: the packing by hand, the pack layout and its unpacking, the document-causal kernels against a float64
 per-row reference, and megatron-core's own GPTModel in float64 on a packed sequence against the same rows run one
 by one (logits and gradients). The actor-level checks at TP 2, PP 2 and DP 2 are in tests/test_megatron_actor.py."""
@@ -12,12 +12,12 @@ import torch
 
 from laconic_nemo.actors.packing import build_packs, first_fit_decreasing
 from laconic_nemo.grpo.interfaces import TrainBatch
-from laconic_nemo.kernels import document_causal_mask, packed_attention, packed_seq_params
+from laconic_nemo.runtime.kernels import document_causal_mask, packed_attention, packed_seq_params
 
 
 @pytest.fixture(scope="module")
 def mp_state():
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     init_distributed(1, 1, backend="gloo", seed=0)
     yield
@@ -155,7 +155,7 @@ def test_megatron_gpt_on_a_pack_equals_each_row_alone_in_float64(mp_state, atten
     not."""
     from laconic_nemo.bridge import ModelArch
     from laconic_nemo.bridge.megatron import build_gpt_model, transformer_config
-    from laconic_nemo.kernels import SDPAttention
+    from laconic_nemo.runtime.kernels import SDPAttention
 
     arch = ModelArch(**ARCH)
     torch.manual_seed(0)

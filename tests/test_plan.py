@@ -10,7 +10,7 @@ import pytest
 
 from laconic_nemo.cli import main
 from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.launch_plan import LayoutError, plan_layout
+from laconic_nemo.plan.layout import LayoutError, plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
@@ -113,7 +113,7 @@ def test_config_error_is_layout_error_base():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# `plan` builds what the trainer builds before step 1 (laconic_nemo.grpo.build.build_step_one), for every recipe
+# `plan` builds what the trainer builds before step 1 (laconic_nemo.plan.step_one.build_step_one), for every recipe
 # --------------------------------------------------------------------------------------------------------------
 ALL_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base")
 

@@ -7,10 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from laconic_nemo.config import load_config
-from laconic_nemo.launch_plan import plan_layout
+from laconic_nemo.config import load_config, to_dict
+from laconic_nemo.plan.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.startswith("tiny_cpu"))
@@ -97,7 +96,7 @@ def _flat(cfg) -> dict:
                 walk(v, f"{prefix}{k}.")
             else:
                 out[f"{prefix}{k}"] = v
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(to_dict(cfg), "")
     return out
 
 

@@ -219,7 +219,7 @@ def test_config_differences_are_all_listed_and_allowed_keys_pass():
 # ---------------------------------------------------------------- item 6: collective timeout from the config
 COLLECTIVE = """
 import os, sys, time, torch, torch.distributed as dist
-from laconic_nemo.megatron_env import init_distributed
+from laconic_nemo.runtime.megatron_env import init_distributed
 from megatron.core import parallel_state
 init_distributed(1, 1, backend="gloo", timeout_s=3)
 if dist.get_rank() == 1:
@@ -234,7 +234,7 @@ except Exception as exc:
 
 
 def test_collectives_time_out_after_the_configured_seconds(tmp_path):
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     procs = []
@@ -329,13 +329,13 @@ def fake_checkpoint(out: Path, overrides: list[str], step: int = 2, world_size: 
                     copy: bool = False) -> Path:
     """A complete checkpoint folder as the trainer writes it (what the pre-flight reads: trainer_state.json with
     the resolved config), ``rows`` rows of metrics.jsonl (default: ``step``) and optionally their copy."""
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_dict
 
     cfg = load_config(TINY, [*overrides, f"run.output_dir={out}"])
     ckpt = out / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
     state = {"step": step, "world_size": world_size, "dp_size": 1, "shaper": {},
-             "config": OmegaConf.to_container(cfg, resolve=True)}
+             "config": to_dict(cfg)}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     lines = "".join(json.dumps({"step": s, "lambda": 0.0}) + "\n" for s in range(1, step + 1))
     (out / "metrics.jsonl").write_text("".join(lines.splitlines(True)[: step if rows is None else rows]))
@@ -451,7 +451,6 @@ def test_schema_walk_every_ranged_key_out_of_range_is_refused_before_launch(caps
     config boundary both commands load recipes through (config.validate_config, called by load_config), naming
     the key and its allowed range; for the first ranged key of every section, `train` and `plan` exit 2 with that
     line before anything starts (the path is the same for every key: load_config, then exit 2)."""
-    import copy
 
     from omegaconf import OmegaConf
 
@@ -465,7 +464,7 @@ def test_schema_walk_every_ranged_key_out_of_range_is_refused_before_launch(caps
             typed = float("inf") if value == ".inf" else value if isinstance(value, str) else kind(value)
             shown = repr(typed)
             needle = f"{key} = {shown} is invalid: allowed {allowed}"
-            cfg = copy.deepcopy(valid)
+            cfg = OmegaConf.structured(valid)  # the loaded values, as the boundary receives them
             OmegaConf.update(cfg, key, typed)
             with pytest.raises(ConfigError) as err:
                 validate_config(cfg)
@@ -556,12 +555,9 @@ def test_checkpoints_carry_a_manifest_and_a_damaged_one_is_named_and_skipped(tmp
 
 
 def test_a_crc_mismatch_seen_by_a_rank_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
-    """GRPOTrainer._verified_resume_checkpoint: every rank checks the files it reads (all-reduced); a damaged
-    latest is named and the previous complete one resumed."""
-    from types import SimpleNamespace
-
+    """CheckpointManager.resume_point (the trainer's resume): every rank checks the files it reads (all-reduced); a
+    damaged latest is named and the previous complete one resumed."""
     from laconic_nemo.grpo.checkpoint import CheckpointManager
-    from laconic_nemo.grpo.trainer import GRPOTrainer
 
     out = tmp_path / "run"
     cfg = load_config(TINY, [f"run.output_dir={out}"])
@@ -572,9 +568,7 @@ def test_a_crc_mismatch_seen_by_a_rank_falls_back_to_the_previous_checkpoint(tmp
     data = bytearray(shard.read_bytes())
     data[10] ^= 0x01
     shard.write_bytes(bytes(data))
-    trainer = SimpleNamespace(cfg=cfg, checkpoints=mgr, actor=_Actor(0.0), is_logger=True)
-    trainer.find_resume_checkpoint = lambda notes=None: GRPOTrainer.find_resume_checkpoint(trainer, notes)
-    assert GRPOTrainer._verified_resume_checkpoint(trainer) == out / "checkpoints" / "step_000001"
+    assert mgr.resume_point(cfg, _Actor(0.0), log=True) == out / "checkpoints" / "step_000001"
     text = capsys.readouterr().out
     assert f"checkpoint {out / 'checkpoints' / 'step_000002'} is damaged and skipped: {shard} does not match" in text
     assert "resuming from the previous complete checkpoint" in text

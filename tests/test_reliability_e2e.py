@@ -19,7 +19,7 @@ R6  rerun; SIGTERM to rank 0 inside the last step              -> rows 1-2 resto
                                                                  finishes: exit 0, steps [1, 2, 3]
 R7  run.num_steps=8; Ctrl-C (SIGINT to the process group)     -> exit 3 after a checkpoint, no traceback
 
-Fault points are armed with LACONIC_FAULT (laconic_nemo/faults.py); signals go to real processes.
+Fault points are armed with LACONIC_FAULT (laconic_nemo/runtime/faults.py); signals go to real processes.
 """
 
 from __future__ import annotations

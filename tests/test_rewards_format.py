@@ -36,9 +36,10 @@ def test_think_boxed_format_is_easyr1_format_reward():
 
 
 def test_reward_fn_think_boxed_weights_accuracy_and_format():
+    from laconic_nemo.config import RewardConfig
     from laconic_nemo.rewards.format import build_reward_fn
 
-    fn, grader = build_reward_fn({"num_workers": 0, "timeout_s": 5.0, "format_weight": 0.1, "format": "think_boxed"},
+    fn, grader = build_reward_fn(RewardConfig(num_workers=0, timeout_s=5.0, format_weight=0.1, format="think_boxed"),
                                  checker=lambda pred, golds: pred in golds)
     try:
         scores, metrics = fn(["<think>x</think>\\boxed{5}", "x</think>\\boxed{5}", "<think>x</think>\\boxed{4}",
@@ -48,7 +49,7 @@ def test_reward_fn_think_boxed_weights_accuracy_and_format():
     assert scores == pytest.approx([1.0, 0.9, 0.1, 0.0])
     assert metrics["format"] == pytest.approx(0.5) and metrics["correct"] == 2
     with pytest.raises(ValueError, match="reward.format"):
-        build_reward_fn({"num_workers": 0, "timeout_s": 5.0, "format": "xml"})
+        build_reward_fn(RewardConfig(num_workers=0, timeout_s=5.0, format="xml"))
 
 
 @pytest.mark.parametrize("template", ["deepseek_r1_easyr1_math", "qwen3_easyr1_math", "qwen_math_easyr1_math"])

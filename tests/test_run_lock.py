@@ -1,6 +1,6 @@
 """One run per output directory, and ranks that die with their launcher.
 
-* the lock of ``laconic_nemo.grpo.run_lock`` against real processes: a live holder on this host refuses
+* the lock of ``laconic_nemo.runtime.run_lock`` against real processes: a live holder on this host refuses
   (naming pid, host and the file), a dead, zombie or recycled-pid holder is stale, a holder on another
   host refuses unless it is an earlier run of the same Slurm job;
 * end to end (``laconic-nemo train --nprocs 2``, the tiny recipe): while a run trains, a second run into its
@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from laconic_nemo.grpo.run_lock import LOCK_NAME, OutputDirLock, OutputDirLocked, check_free, identity, process_alive
+from laconic_nemo.runtime.run_lock import (
+    LOCK_NAME,
+    OutputDirLock,
+    OutputDirLocked,
+    check_free,
+    identity,
+    process_alive,
+)
 from tests.test_trainer_e2e import FAST, ROOT, TINY  # the e2e tests' tiny, fast variant
 
 

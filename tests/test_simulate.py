@@ -9,7 +9,14 @@ import pytest
 
 from laconic_nemo.cli import main
 from laconic_nemo.core.dual import DualController
-from laconic_nemo.simulate import LengthModel, fit_length_model, predict, read_trajectory, response_metrics, simulate
+from laconic_nemo.tools.simulate import (
+    LengthModel,
+    fit_length_model,
+    predict,
+    read_trajectory,
+    response_metrics,
+    simulate,
+)
 
 B = 31.0
 DATA = Path(__file__).resolve().parent / "data" / "tiny_cpu_sorted_metrics.jsonl"
@@ -134,7 +141,7 @@ def test_fit_to_a_tiny_run_reproduces_its_response():
     stays there while lambda keeps rising to 0.63: the run never settles. The fitted model driven by the run's
     lambdas stays within 1.5 tokens (rms) of the observed lengths, and simulated in closed loop with the same
     controller it does not settle either and ends within 2 points of the observed final error."""
-    from laconic_nemo.simulate import _free_run, _g
+    from laconic_nemo.tools.simulate import _free_run, _g
 
     lam, L, budget = read_trajectory(DATA)
     observed = response_metrics(L, budget)
@@ -165,7 +172,7 @@ def test_fit_to_the_main_job_predicts_its_integral_response():
     70 steps (the noise-free run and every noisy one), the first step at or below B, the final error, and the
     undershoot of the noisy runs (the undershoot is the minimum of measured lengths, so it includes their
     noise; the noise-free run's 8.0% is 27% under the observed 10.9%), and lambda's path within 0.03."""
-    from laconic_nemo.simulate import _free_run, _g
+    from laconic_nemo.tools.simulate import _free_run, _g
 
     lam, L, budget = read_trajectory(MAIN)
     observed = response_metrics(L, budget)
@@ -220,9 +227,9 @@ def test_dual_controllers_benchmark_prints_measured_beside_predicted(capsys, tmp
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(MAIN.read_text())
-    from omegaconf import OmegaConf
+    from laconic_nemo.config import to_yaml
 
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(bench.load_config("tiny_cpu_pid", ["laconic.eta=0.02",
+    (run / "config.yaml").write_text(to_yaml(bench.load_config("tiny_cpu_pid", ["laconic.eta=0.02",
                                                                                          "laconic.kp=2.0"])))
     assert bench.run_recipe(run, "tiny_cpu_pid") == str(run / "config.yaml")
     assert bench.main(["--integral", str(MAIN), "--pid", str(run), "--seeds", "4"]) == 0

@@ -59,7 +59,7 @@ def test_train_from_hf_checkpoint_on_math_problems(tmp_path):
     import transformers
 
     from laconic_nemo.bridge import load_safetensors_dir
-    from laconic_nemo.export import export_hf
+    from laconic_nemo.tools.export import export_hf
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf"))
     final = hf.state_dict()

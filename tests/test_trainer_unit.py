@@ -177,7 +177,7 @@ def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp
                           checkpoint_hook=NemoCheckpointHook(actor))
     for step in (1, 2, 3):
         trainer.save_checkpoint(step)
-    lam = shaper_state(trainer.shaper.name, trainer.dual)
+    lam = shaper_state(trainer.cfg.laconic.shaper, trainer.dual)
     assert seen == [(f"step_{s:06d}", {"step": s, "shaper": lam}, False) for s in (1, 2, 3)]
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in (root / "nemo").iterdir()) == ["step_000002", "step_000003"]

@@ -107,13 +107,10 @@ SAMPLING = SamplingParams(temperature=0.6, top_p=1.0, max_new_tokens=4, eos_id=9
 def test_second_generate_without_training_refits_discarded_weights(fake_vllm, tmp_path):
     """An evaluation rollout or a retry (no optimiser step in between) must not run on the weights that
     the level-2 sleep after the previous rollout discarded."""
-    from laconic_nemo.actors.megatron_core import MegatronCoreActor
-
     engine = _engine(tmp_path)
     fake_vllm.outputs[:] = [([5, 9], "stop")]
-    actor = types.SimpleNamespace(rollout_engine=engine, step_count=0, _engine_weights_step=None, model=[None])
-    first = MegatronCoreActor._generate_with_engine(actor, [[1, 2]], SAMPLING)
-    second = MegatronCoreActor._generate_with_engine(actor, [[1, 2]], SAMPLING)  # same step: no training
+    first = engine.generate_from([None], 0, [[1, 2]], SAMPLING)  # the actor's call: its model, its step count
+    second = engine.generate_from([None], 0, [[1, 2]], SAMPLING)  # same step: no training
     assert first.tokens.tolist() == second.tokens.tolist() == [[1, 2, 5, 9]]
     assert fake_vllm.log.count("load_weights") == 2
     assert engine.needs_refit  # asleep again, weights gone

@@ -179,7 +179,7 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
     ``USABLE_FRACTION`` of ``device_gib``, for micro-batches of ``tokens`` tokens (``seq``: the longest sequence
     inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
     ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
-    ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.kernels.fusion_flags`)."""
+    ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.runtime.kernels.fusion_flags`)."""
     L = shape.layers // pp
     seq = tokens if seq is None else seq
     n_params = params if params is not None else params_per_rank(shape, tp, pp)

@@ -6,7 +6,7 @@ after another into a single ``[1, S]`` sequence and keeps them apart inside the 
 
 * attention is document-causal (a position sees the earlier positions of its own row only), through
   megatron-core's ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens`` = row boundaries) and the core
-  attention of :mod:`laconic_nemo.kernels`;
+  attention of :mod:`laconic_nemo.runtime.kernels`;
 * positions restart at 0 in every row (RoPE is applied per row by megatron from ``cu_seqlens``; the per-row
   position ids are passed too, for position embeddings that read them);
 * the log-probs of a pack are cut back into rows (:meth:`Pack.unpack`), so the loss sees the same

@@ -19,11 +19,11 @@ and validated before anything else. Then:
 Both run the same :func:`laconic_nemo.app.run.run`. ``--prepare`` converts the HF
 checkpoint to the recipe's ``model.path`` with NeMo's ``convert_qwen2_hf_to_nemo.py`` when that file
 is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Math), run through
-:mod:`laconic_nemo.convert_qwen2` so that a folder with ``tokenizer.json`` only converts; Qwen3 has no
+:mod:`laconic_nemo.tools.convert_qwen2` so that a folder with ``tokenizer.json`` only converts; Qwen3 has no
 converter in these NeMo pins and runs on the megatron-core actor with the HF bridge.
 
 End strings: NeMo's sampler gets ``"<|endoftext|>"`` (its alias for the EOS id) plus the chat end strings
-that are single tokens of the loaded tokenizer (:func:`laconic_nemo.tokenizer_checks.resolve_end_strings`);
+that are single tokens of the loaded tokenizer (:func:`laconic_nemo.plan.model_folder.resolve_end_strings`);
 a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
 not a single token (NeMo would decode every row at every step to look for it).
 
@@ -43,11 +43,16 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laconic_nemo.app.train_cli import _EARLY_SIGNAL, _install_early_stop
-from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
-from laconic_nemo.tokenizer_checks import END_OF_SEQ, EndStringError, resolve_end_strings
-
-END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
+from laconic_nemo.config import Config, ConfigError, load_config
+from laconic_nemo.plan.model_folder import (  # noqa: F401 - END_STRINGS_KEY: this module's name of it, for callers
+    END_OF_SEQ,
+    END_STRINGS_KEY,
+    EndStringError,
+    end_strings_override,
+    resolve_end_strings,
+    split_overrides,
+)
+from laconic_nemo.tools.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
 
 
 def early_signal() -> int | None:
@@ -55,15 +60,7 @@ def early_signal() -> int | None:
     return _EARLY_SIGNAL[0] if _EARLY_SIGNAL else None
 
 
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """(recipe overrides, NeMo-config overrides with the ``nemo.`` prefix removed)."""
-    recipe, nemo = [], []
-    for o in overrides:
-        (nemo.append(o[len("nemo."):]) if o.startswith("nemo.") else recipe.append(o))
-    return recipe, nemo
-
-
-def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
+def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
                       resume_step: int = 0, rank: int = 0) -> DictConfig:
     """The NeMo-Aligner (0.7.0 ``gpt_reinforce_actor.yaml`` layout) config for a recipe.
 
@@ -153,8 +150,8 @@ def build_nemo_config(cfg: DictConfig, nodes: int, gpus_per_node: int, nemo_over
 
 
 def conversion_command(hf_model: str, output_path: str, precision: str = "bf16") -> list[str]:
-    """NeMo's Qwen2 converter through :mod:`laconic_nemo.convert_qwen2` (tokenizer.json-only folders)."""
-    return [sys.executable, "-m", "laconic_nemo.convert_qwen2", "--converter", QWEN2_CONVERTER,
+    """NeMo's Qwen2 converter through :mod:`laconic_nemo.tools.convert_qwen2` (tokenizer.json-only folders)."""
+    return [sys.executable, "-m", "laconic_nemo.tools.convert_qwen2", "--converter", QWEN2_CONVERTER,
             "--input_name_or_path", str(hf_model), "--output_path", str(output_path), "--precision", precision]
 
 
@@ -166,11 +163,6 @@ def nemo_checkpoint_dir(folder: str | Path) -> Path:
     from laconic_nemo.actors.nemo_aligner import NEMO_CKPT
 
     return Path(folder) / NEMO_CKPT
-
-
-def end_strings_override(nemo_overrides: list[str]) -> bool:
-    """True when the NeMo overrides set the sampler's end strings explicitly."""
-    return any(o.split("=", 1)[0].strip() == END_STRINGS_KEY for o in nemo_overrides)
 
 
 def apply_end_strings(model, requested: list[str] | None) -> list[str]:
@@ -188,10 +180,10 @@ def apply_end_strings(model, requested: list[str] | None) -> list[str]:
     return ends
 
 
-def prepare(cfg: DictConfig, hf_model: str | None, run=subprocess.call) -> int:
+def prepare(cfg: Config, hf_model: str | None, run=subprocess.call) -> int:
     """Convert ``hf_model`` to ``model.path`` if that .nemo is missing: one conversion per target at a time across
     jobs, in a scratch folder of its own, renamed onto ``model.path`` when complete
-    (:func:`laconic_nemo.convert_qwen2.convert_to_target`). ``run(command) -> exit status`` runs the converter."""
+    (:func:`laconic_nemo.tools.convert_qwen2.convert_to_target`). ``run(command) -> exit status`` runs the converter."""
     if cfg.model.source != "nemo":
         print(f"prepare: model.source = {cfg.model.source}: nothing to convert")
         return 0
@@ -250,7 +242,7 @@ def export_policy_nemo(model, output_dir: str | Path, rank: int) -> Path:
     return export / EXPORT_NEMO
 
 
-def resume_step(cfg: DictConfig) -> int:
+def resume_step(cfg: Config) -> int:
     """The step of the checkpoint this run resumes (0: a fresh start), from its ``trainer_state.json``."""
     from laconic_nemo.grpo.checkpoint import find_resume_checkpoint
     from laconic_nemo.grpo.resume import read_trainer_state
@@ -259,7 +251,7 @@ def resume_step(cfg: DictConfig) -> int:
     return 0 if found is None else int(read_trainer_state(found)["step"])
 
 
-def nemo_resume_path(cfg: DictConfig) -> str | None:
+def nemo_resume_path(cfg: Config) -> str | None:
     """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
 
     Uses :func:`laconic_nemo.grpo.checkpoint.find_resume_checkpoint` (``checkpoint.resume`` auto / never /
@@ -279,7 +271,7 @@ def nemo_resume_path(cfg: DictConfig) -> str | None:
     return str(folder)
 
 
-def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
+def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cover - needs GPUs and NeMo
     import torch
     from nemo.utils.exp_manager import exp_manager
 
@@ -287,6 +279,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     from laconic_nemo.app.run import run
     from laconic_nemo.app.task import Task
     from laconic_nemo.data.datasets import load_math_prompts
+    from laconic_nemo.grpo.trainer import GRPOTrainer
     from laconic_nemo.rewards.format import build_reward_fn
 
     cls = actor_model_class()  # stubs TRT-LLM when absent, before the nemo_aligner imports below
@@ -324,7 +317,7 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
     if resume is not None:
         ptl_trainer.ckpt_path = str(nemo_checkpoint_dir(resume))
     init_distributed(ptl_trainer, model, ncfg.model.get("transformer_engine", False))
-    from laconic_nemo.grpo.run_lock import hold_output_dir
+    from laconic_nemo.runtime.run_lock import hold_output_dir
 
     lock = hold_output_dir(cfg.run.output_dir, torch.distributed.get_rank())  # rank 0 holds it; raises on all ranks
 
@@ -345,14 +338,16 @@ def train_nemo(cfg: DictConfig, nemo_overrides: list[str]) -> int:  # pragma: no
                              engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
                                                                          on_gpu=torch.cuda.is_available()))
 
-    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
+    reward_fn, _grader = build_reward_fn(cfg.reward)
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
                 decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
     from laconic_nemo.grpo.metrics import nemo_sinks
 
     try:  # the dashboards are NeMo's own loggers (exp_manager's TensorBoardLogger / WandbLogger), fed by rank 0
-        code = run(cfg, actor, task, checkpoint_hook=NemoCheckpointHook(actor), early_signal=early_signal(),
-                   metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
+        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
+                              checkpoint_hook=NemoCheckpointHook(actor),
+                              metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
+        code = run(trainer, task, early_signal=early_signal())
         if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)
             export_policy_nemo(model, cfg.run.output_dir, torch.distributed.get_rank())
     finally:
@@ -389,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     # (NeMo's imports, the model load) its default action would end the process with a status other than 3, and
     # the job would not be requeued.
     _install_early_stop()
-    from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free
+    from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free
 
     try:  # every rank, before anything is loaded: another live run holds run.output_dir
         check_free(cfg.run.output_dir)

@@ -1,41 +1,32 @@
-"""One run of GRPO + LACONIC, shared by both entry points: ``run(cfg, actor, task)``.
+"""One run of GRPO + LACONIC, shared by both entry points: ``run(trainer, task)``.
 
 The entry point (:mod:`laconic_nemo.app.train_cli` for the megatron-core actor, :mod:`laconic_nemo.app.nemo_entry`
-for the NeMo-Aligner actor) initialises torch.distributed, holds ``run.output_dir``, builds the actor and the
-:class:`~laconic_nemo.app.task.Task`; :func:`run` then sets up the trainer, warms up the policy when the recipe
-asks for it and no checkpoint is resumed, trains, and prints the closing summary (and the curves).
+for the NeMo-Aligner actor) initialises torch.distributed, holds ``run.output_dir``, builds the actor, the
+:class:`~laconic_nemo.app.task.Task` and the :class:`~laconic_nemo.grpo.trainer.GRPOTrainer` (handing it the typed
+config); :func:`run` then warms up the policy when the recipe asks for it and no checkpoint is resumed,
+trains, and prints the closing summary (and the curves).
 """
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Callable
-
-from omegaconf import DictConfig
 
 from laconic_nemo.app.task import Task
-from laconic_nemo.faults import heartbeat
-from laconic_nemo.grpo.checkpoint import CheckpointHook, barrier
-from laconic_nemo.grpo.interfaces import PolicyActor
-from laconic_nemo.grpo.metrics import MetricSink
+from laconic_nemo.grpo.checkpoint import barrier
 from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
+from laconic_nemo.runtime.faults import heartbeat
 
 
-def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: CheckpointHook | None = None,
-        early_signal: int | None = None, metric_sinks: Callable[[int], list[MetricSink]] | None = None) -> int:
-    """Train ``actor`` on ``task`` for ``cfg.run.num_steps`` steps (every rank, SPMD).
+def run(trainer: GRPOTrainer, task: Task, early_signal: int | None = None) -> int:
+    """Train ``trainer.actor`` on ``task`` for ``run.num_steps`` steps (every rank, SPMD), the warm-up first.
 
-    checkpoint_hook: writes and prunes an actor's own checkpoint files beside the trainer's step folders
-        (the NeMo-Aligner actor's distributed checkpoint); None for actors whose state the trainer saves.
     early_signal: a SIGUSR1 / SIGTERM / SIGINT received before the trainer's handler was installed.
-    metric_sinks: the dashboards, ``f(resume_step)`` called on rank 0 (default: those of ``cfg.logging``).
 
     Returns 0 when the run finished (whatever signal arrives after its last checkpoint), 3 when it stopped on a
     signal (after a checkpoint, or before the first step).
     """
-    trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
-                          checkpoint_hook=checkpoint_hook, metric_sinks=metric_sinks)
+    cfg, actor = trainer.cfg, trainer.actor
     is_logger = trainer.is_logger
 
     def log(msg: str):
@@ -63,7 +54,7 @@ def run(cfg: DictConfig, actor: PolicyActor, task: Task, checkpoint_hook: Checkp
         # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
         heartbeat("export_hf", trainer.step)
         if is_logger:
-            from laconic_nemo.export import export_hf
+            from laconic_nemo.tools.export import export_hf
 
             ckpt = export_hf(trainer.out, trainer.out / "hf")
             print(f"exported {ckpt} as a Hugging Face model to {trainer.out / 'hf'}", flush=True)

@@ -7,13 +7,12 @@ builds it from the ``.nemo``'s tokenizer (:mod:`laconic_nemo.app.nemo_entry`). B
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from omegaconf import DictConfig, OmegaConf
-
-from laconic_nemo.config import ConfigError
+from laconic_nemo.config import Config, ConfigError
 from laconic_nemo.grpo.trainer import RewardFn
 
 
@@ -44,7 +43,7 @@ class Task:
     warmup_example: Callable[[random.Random], tuple[list[int], list[int]]] | None = None
 
 
-def build_task(cfg: DictConfig) -> Task:
+def build_task(cfg: Config) -> Task:
     """The recipe's task for the megatron-core actor: the synthetic task with its character tokenizer
     (``data.kind = synthetic``), or the math prompts with the checkpoint's HF tokenizer (``data.kind = math``,
     ``model.source = hf``; a prompt that leaves no room for ``rollout.max_new_tokens`` is a ConfigError)."""
@@ -53,7 +52,7 @@ def build_task(cfg: DictConfig) -> Task:
         from laconic_nemo.rewards import exact_answer_status
 
         tok = CharTokenizer()
-        task = SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
+        task = SyntheticTask(**dataclasses.asdict(cfg.data.synthetic))
         problems = task.problems(cfg.data.num_prompts, seed=cfg.run.seed)
         prompts = [(p.prompt, p.answer) for p in problems]
 
@@ -75,21 +74,21 @@ def build_task(cfg: DictConfig) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from laconic_nemo.tokenizer_checks import load_hf_tokenizer
+    from laconic_nemo.plan.model_folder import load_hf_tokenizer
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
     from laconic_nemo.data.datasets import check_prompt_lengths
-    from laconic_nemo.launch_plan import _hf_config
+    from laconic_nemo.plan.layout import hf_config
 
-    hf = _hf_config(str(cfg.model.path)) or {}
+    hf = hf_config(str(cfg.model.path)) or {}
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
-    try:  # the pre-flight checked this already (laconic_nemo.preflight); under torchrun / srun too
+    try:  # the pre-flight checked this already (laconic_nemo.plan.preflight); under torchrun / srun too
         check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
                              int(cfg.rollout.max_new_tokens))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    reward_fn, _grader = build_reward_fn(OmegaConf.to_container(cfg.reward, resolve=True))  # reward.format
+    reward_fn, _grader = build_reward_fn(cfg.reward)
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)

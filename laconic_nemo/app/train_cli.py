@@ -17,10 +17,8 @@ import sys
 import threading
 import time
 
-from omegaconf import DictConfig, OmegaConf
-
-from laconic_nemo.config import ConfigError, load_config
-from laconic_nemo.grpo.run_lock import OutputDirLocked, check_free, hold_output_dir
+from laconic_nemo.config import Config, ConfigError, load_config
+from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
 
@@ -74,8 +72,8 @@ def _install_early_stop() -> None:
 
 
 def run(args) -> int:
-    from laconic_nemo.faults import fault_point, heartbeat
-    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV, preflight_train
+    from laconic_nemo.plan.preflight import PREFLIGHT_DONE_ENV, preflight_train
+    from laconic_nemo.runtime.faults import fault_point, heartbeat
 
     launcher = "WORLD_SIZE" not in os.environ
     _install_early_stop()
@@ -172,7 +170,7 @@ def _watchdog_bound(beats: list[dict | None], watchdog_s: float, step_factor: fl
 
 def _stall_report(procs, heartbeat_dir: str, bound: float, why: str) -> str:
     """Which rank stalled: a stopped process first, else the one whose last progress is oldest."""
-    from laconic_nemo.faults import process_state, read_heartbeat
+    from laconic_nemo.runtime.faults import process_state, read_heartbeat
 
     now = time.time()
     rows = []
@@ -245,9 +243,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     rank's exit status (1 when it died on a signal)."""
     import tempfile
 
-    from laconic_nemo.faults import HEARTBEAT_ENV, read_heartbeat
-    from laconic_nemo.megatron_env import free_port
-    from laconic_nemo.preflight import PREFLIGHT_DONE_ENV
+    from laconic_nemo.plan.preflight import PREFLIGHT_DONE_ENV
+    from laconic_nemo.runtime.faults import HEARTBEAT_ENV, read_heartbeat
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     heartbeat_dir = tempfile.mkdtemp(prefix="laconic_heartbeat_")
@@ -360,16 +358,17 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     return 0
 
 
-def train(cfg: DictConfig) -> int:
+def train(cfg: Config) -> int:
     """The megatron-core entry point (every rank): torch.distributed, the output-dir lock, the task, the actor
-    (and its vLLM engine), then :func:`laconic_nemo.app.run.run`."""
+    (and its vLLM engine), the trainer, then :func:`laconic_nemo.app.run.run`."""
     import torch
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.run import run as run_grpo
     from laconic_nemo.app.task import build_task
-    from laconic_nemo.faults import heartbeat
-    from laconic_nemo.megatron_env import cpu_threads, destroy_distributed, init_distributed
+    from laconic_nemo.grpo.trainer import GRPOTrainer
+    from laconic_nemo.runtime.faults import heartbeat
+    from laconic_nemo.runtime.megatron_env import cpu_threads, destroy_distributed, init_distributed
 
     torch.set_num_threads(cpu_threads())
     info = init_distributed(cfg.parallel.tensor_model_parallel_size,
@@ -393,7 +392,7 @@ def train(cfg: DictConfig) -> int:
             return 2
         task = build_task(cfg)
         if task.vocab_size is not None:
-            OmegaConf.update(cfg, "model.vocab_size", task.vocab_size)
+            cfg.model.vocab_size = task.vocab_size  # the synthetic GPT's vocabulary is its tokenizer's
         heartbeat("build model")
         actor = MegatronCoreActor.from_config(cfg)
         heartbeat("build trainer")
@@ -404,14 +403,15 @@ def train(cfg: DictConfig) -> int:
             from laconic_nemo.rollout.vllm import VLLMRolloutEngine
 
             actor.attach_rollout_engine(VLLMRolloutEngine.from_recipe(
-                OmegaConf.to_container(cfg, resolve=True), str(cfg.model.path),
+                cfg, str(cfg.model.path),
                 arch_from_hf_config(str(cfg.model.path)), pad_id=task.pad_id))
         elif cfg.rollout.engine != "megatron":
             raise ConfigError(f"rollout.engine = {cfg.rollout.engine}: the megatron-core actor supports megatron "
                               "or vllm (nemo generation runs in the NeMo-Aligner entry point)")
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
-        return run_grpo(cfg, actor, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
+        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id)
+        return run_grpo(trainer, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
     finally:
         if lock is not None:
             lock.release()
@@ -420,7 +420,7 @@ def train(cfg: DictConfig) -> int:
 
 def main(argv=None) -> int:
     if os.environ.get(LAUNCHER_PID_ENV):  # a rank started by launch_local
-        from laconic_nemo.grpo.parent_death import die_with_parent
+        from laconic_nemo.runtime.parent_death import die_with_parent
 
         die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
     parser = argparse.ArgumentParser(prog="laconic-nemo")

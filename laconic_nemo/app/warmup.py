@@ -6,6 +6,7 @@ response tokens (EOS included) instead of the GRPO loss.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,15 +17,13 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.config import ConfigError
-from laconic_nemo.faults import fault_point, heartbeat
-from laconic_nemo.grpo.checkpoint import CheckpointManager, barrier
+from laconic_nemo.config import Config, ConfigError
+from laconic_nemo.grpo.checkpoint import CheckpointManager, allreduce_sum, barrier
 from laconic_nemo.grpo.interfaces import PolicyActor, TrainBatch, response_mask
 from laconic_nemo.grpo.loss import make_sft_loss_fn
 from laconic_nemo.grpo.metrics import ProgressClock
-from laconic_nemo.grpo.trainer import allreduce_sum
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 
 @runtime_checkable
@@ -110,10 +109,11 @@ def supervised_warmup(
 # a micro-batch split, an initialiser) changes the policy, so it is part of the cache key.
 WARMUP_MODULES = (
     "laconic_nemo.app.warmup", "laconic_nemo.app.task", "laconic_nemo.data.synthetic", "laconic_nemo.grpo.loss",
-    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.megatron_env",
-    "laconic_nemo.kernels",
+    "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.actors.megatron_build",
+    "laconic_nemo.actors.megatron_logprobs", "laconic_nemo.actors.megatron_step", "laconic_nemo.actors.megatron_shards",
+    "laconic_nemo.runtime.megatron_env", "laconic_nemo.runtime.kernels",
 )
-WARMUP_FUNCTIONS = (("laconic_nemo.grpo.trainer", "allreduce_sum"),)
+WARMUP_FUNCTIONS = (("laconic_nemo.grpo.checkpoint", "allreduce_sum"),)
 META = "meta.json"
 
 
@@ -160,16 +160,16 @@ def library_versions() -> dict[str, str]:
             "megatron-core": megatron}
 
 
-def warmup_cache_key(cfg: DictConfig, world_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
+def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
     """Everything the warmed-up policy is a function of: the recipe's model, warm-up, layout, synthetic task, seed
     and micro-batch order, the world size, the CPU threads per process, the code (:func:`warmup_code_digest`) and
     the library versions. world_size: the run's number of processes (default: this launch's ``WORLD_SIZE``);
     threads: torch's intra-op threads of the warm-up (default: the entry points' setting,
-    :func:`laconic_nemo.megatron_env.cpu_threads`)."""
-    from laconic_nemo.megatron_env import cpu_threads
+    :func:`laconic_nemo.runtime.megatron_env.cpu_threads`)."""
+    from laconic_nemo.runtime.megatron_env import cpu_threads
 
-    key = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "warmup", "parallel")}
-    key["synthetic"] = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
+    key = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "warmup", "parallel")}
+    key["synthetic"] = dataclasses.asdict(cfg.data.synthetic)
     key["seed"] = cfg.run.seed
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
@@ -186,7 +186,7 @@ def warmup_cache_key(cfg: DictConfig, world_size: int | None = None, threads: in
     return key
 
 
-def warmup_cache_dir(cfg: DictConfig, world_size: int | None = None, threads: int | None = None) -> Path:
+def warmup_cache_dir(cfg: Config, world_size: int | None = None, threads: int | None = None) -> Path:
     """Where the warmed-up policy of this recipe is cached: ``<warmup.cache_dir>/policy_<digest>``, the digest of
     :func:`warmup_cache_key` (a policy made by other code, library versions or thread counts is never reused)."""
     key = warmup_cache_key(cfg, world_size, threads)

@@ -2,7 +2,7 @@
 
 Uses the megatron-core *local* layer spec (no apex): ``torch.nn.RMSNorm``, column/row-parallel linears,
 SwiGLU (``gated_linear_unit`` with silu), per-head q/k RMSNorm for Qwen3, bias on the fused QKV only for
-Qwen2. The core attention is chosen per device (:mod:`laconic_nemo.kernels`: TransformerEngine or
+Qwen2. The core attention is chosen per device (:mod:`laconic_nemo.runtime.kernels`: TransformerEngine or
 ``scaled_dot_product_attention`` on GPU); it owns no parameters, so names are the same for every choice.
 The same spec runs on CPU (gloo) and GPU (NCCL).
 """
@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from laconic_nemo.bridge.arch import ModelArch, padded_vocab_size
-from laconic_nemo.kernels import core_attention_module, fusion_flags, resolve_attention
+from laconic_nemo.runtime.kernels import core_attention_module, fusion_flags, resolve_attention
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = True, dtype: torch.dtype | None = None,
                        **overrides):
     """A ``megatron.core.transformer.TransformerConfig`` for ``arch`` at tensor-parallel size ``tp`` and
     pipeline size ``pp``. ``cpu=True``: float32, CPU initialisation, every fusion off (what megatron-core
-    needs to run over gloo); on GPU the fusions whose kernels are available (:func:`laconic_nemo.kernels.
+    needs to run over gloo); on GPU the fusions whose kernels are available (:func:`laconic_nemo.runtime.kernels.
     fusion_flags`). ``dtype`` defaults to float32 on CPU and bfloat16 otherwise. ``overrides`` are passed to
     TransformerConfig last (e.g. ``recompute_granularity``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,7 +71,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = Tr
 def layer_spec(arch: ModelArch, attention: str = "local"):
     """The megatron-core local transformer-layer ``ModuleSpec`` for ``arch`` (RMSNorm from torch, q/k
     layernorm when ``arch.qk_norm``) with core attention ``attention`` (a resolved choice of
-    :func:`laconic_nemo.kernels.resolve_attention`). Parameter names are those of ``get_gpt_layer_local_spec``."""
+    :func:`laconic_nemo.runtime.kernels.resolve_attention`). Parameter names are those of ``get_gpt_layer_local_spec``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -149,7 +149,7 @@ def model_provider(arch: ModelArch, cpu: bool | None = None, dtype: torch.dtype 
     config: the TransformerConfig every stage shares (pass the one the actor holds, so that settings the actor
     puts on it, e.g. ``finalize_model_grads_func``, reach the model). Without it, one is built when the
     callable runs, with TP and PP sizes from ``megatron.core.parallel_state``. ``cpu`` defaults to
-    ``not torch.cuda.is_available()``. attention: ``model.attention`` (see :mod:`laconic_nemo.kernels`).
+    ``not torch.cuda.is_available()``. attention: ``model.attention`` (see :mod:`laconic_nemo.runtime.kernels`).
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()

@@ -1,11 +1,20 @@
 """The LACONIC mathematics, torch only: length costs, the Lagrangian reward, group advantages, the dual
-(lambda) controller and the reward shapers of LACONIC and its baselines (docs/algorithm.md).
+(lambda) controller and the reward shapers of LACONIC and its baselines (docs/algorithm.md), on batches grouped
+[P, G] (prompts x group).
 
 Nothing here imports megatron-core, NeMo or vLLM.
 """
 
-from laconic_nemo.core.advantages import ADVANTAGE_STD, group_advantages
-from laconic_nemo.core.costs import clipped_cost, cost_lengths, lagrangian_reward, length_penalty, linear_cost
+from laconic_nemo.core.advantages import ADVANTAGE_STD, as_groups, group_advantages
+from laconic_nemo.core.costs import (
+    clipped_cost,
+    clipped_cost64,
+    cost_lengths,
+    lagrangian_reward,
+    length_penalty,
+    linear_cost,
+    linear_cost64,
+)
 from laconic_nemo.core.dual import (
     DualController,
     check_dual,
@@ -14,10 +23,19 @@ from laconic_nemo.core.dual import (
     next_lambda,
     shaper_state,
 )
-from laconic_nemo.core.shapers import SHAPERS, Shaper, register_shaper, shaping_metrics
+from laconic_nemo.core.shapers import (
+    SHAPERS,
+    Shaper,
+    constant_lambda,
+    lambda_controller,
+    register_shaper,
+    shape,
+    shaping_metrics,
+)
 
 __all__ = [
-    "ADVANTAGE_STD", "SHAPERS", "DualController", "Shaper", "check_dual", "clipped_cost", "cost_lengths",
-    "default_ceiling", "group_advantages", "lagrangian_reward", "length_penalty", "linear_cost", "load_shaper_state",
-    "next_lambda", "register_shaper", "shaper_state", "shaping_metrics",
+    "ADVANTAGE_STD", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
+    "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
+    "shaper_state", "shaping_metrics",
 ]

@@ -1,8 +1,12 @@
-"""Length costs and the Lagrangian reward of LACONIC.
+"""Length costs and the Lagrangian reward of LACONIC, elementwise (any shape: [P, G] in the trainer).
 
 Notation as in the paper: ``L`` is the number of generated tokens of a response (thinking and answer,
 EOS excluded; a response truncated at the generation limit counts as ``L_max``, its generated length),
 ``B`` is the token budget, ``lambda`` the Lagrange multiplier.
+
+The formulas are :func:`linear_cost64` and :func:`clipped_cost64` (float64, no argument checks: the shapers call
+them at every step with a budget checked once, at the config boundary); :func:`linear_cost` and
+:func:`clipped_cost` are the same formulas for any caller, with the budget checked.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ import math
 
 import torch
 
-__all__ = ["clipped_cost", "linear_cost", "lagrangian_reward", "length_penalty", "check_budget", "float_dtype_of",
-           "cost_lengths"]
+__all__ = ["clipped_cost", "linear_cost", "clipped_cost64", "linear_cost64", "lagrangian_reward", "length_penalty",
+           "check_budget", "float_dtype_of", "cost_lengths"]
 
 
 def check_budget(budget: float, name: str = "budget") -> float:
@@ -52,12 +56,12 @@ def cost_lengths(lengths: torch.Tensor, truncated: torch.Tensor, count_eos: bool
     gets the hit penalty too.
 
     Args:
-        lengths: [N] int, generated tokens without EOS (``GenerationOutput.lengths``).
-        truncated: [N] bool, True where the response hit L_max without EOS.
+        lengths: [...] int, generated tokens without EOS (``GenerationOutput.lengths``).
+        truncated: [...] bool, True where the response hit L_max without EOS.
         count_eos: count the EOS token.
 
     Returns:
-        (L [N] int64, truncated [N] bool or None).
+        (L [...] int64, truncated [...] bool or None).
     """
     L = _as_lengths(lengths).to(torch.long)
     trunc = torch.as_tensor(truncated).to(torch.bool)
@@ -66,6 +70,16 @@ def cost_lengths(lengths: torch.Tensor, truncated: torch.Tensor, count_eos: bool
     if not count_eos:
         return L, trunc
     return L + (~trunc).to(torch.long), None
+
+
+def linear_cost64(lengths64: torch.Tensor, budget: float) -> torch.Tensor:
+    """``c~ = (L - B) / B`` of float64 lengths [...], in float64 (B > 0: checked where it was read)."""
+    return (lengths64 - budget) / budget
+
+
+def clipped_cost64(lengths64: torch.Tensor, budget: float) -> torch.Tensor:
+    """``c = max((L - B) / B, 0)`` of float64 lengths [...], in float64 (B > 0: checked where it was read)."""
+    return linear_cost64(lengths64, budget).clamp_min(0.0)
 
 
 def clipped_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:
@@ -95,8 +109,7 @@ def linear_cost(lengths: torch.Tensor, budget: float) -> torch.Tensor:
     """
     b = check_budget(budget)
     lengths = _as_lengths(lengths)
-    out_dtype = float_dtype_of(lengths)
-    return ((lengths.to(torch.float64) - b) / b).to(out_dtype)
+    return linear_cost64(lengths.to(torch.float64), b).to(float_dtype_of(lengths))
 
 
 def lagrangian_reward(rewards: torch.Tensor, costs: torch.Tensor, lam: float | torch.Tensor,
@@ -108,14 +121,14 @@ def lagrangian_reward(rewards: torch.Tensor, costs: torch.Tensor, lam: float | t
     code's (docs/algorithm.md).
 
     Args:
-        rewards: tensor [N] of task rewards r.
-        costs: tensor [N] of costs c (same shape as rewards).
-        lam: the multiplier lambda (a float, or a tensor broadcastable to [N]).
+        rewards: tensor [...] of task rewards r ([P, G] in the trainer).
+        costs: tensor [...] of costs c (same shape as rewards).
+        lam: the multiplier lambda (a float, or a tensor broadcastable to the rewards' shape).
         penalty_cap: cap on the per-response penalty lambda * c; None = no cap.
-        hit_cap: extra penalty for the responses flagged in ``truncated`` [N] bool.
+        hit_cap: extra penalty for the responses flagged in ``truncated`` (bool, the rewards' shape).
 
     Returns:
-        float tensor [N] in the promoted floating dtype of rewards and costs.
+        float tensor of the rewards' shape in the promoted floating dtype of rewards and costs.
     """
     rewards, costs = torch.as_tensor(rewards), torch.as_tensor(costs)
     if rewards.shape != costs.shape:
@@ -129,7 +142,7 @@ def lagrangian_reward(rewards: torch.Tensor, costs: torch.Tensor, lam: float | t
 
 def length_penalty(costs: torch.Tensor, lam: float | torch.Tensor, penalty_cap: float | None = None,
                    hit_cap: float = 0.0, truncated: torch.Tensor | None = None) -> torch.Tensor:
-    """The float64 penalty [N] that :func:`lagrangian_reward` subtracts: ``min(lambda * c, cap) + hit_cap * 1[trunc]``."""
+    """The float64 penalty (the costs' shape) that :func:`lagrangian_reward` subtracts: ``min(lambda * c, cap) + hit_cap * 1[trunc]``."""
     lam64 = lam.to(torch.float64) if isinstance(lam, torch.Tensor) else float(lam)
     penalty = lam64 * costs.to(torch.float64)
     if penalty_cap is not None:

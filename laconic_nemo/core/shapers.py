@@ -1,14 +1,18 @@
 """Reward shapers: LACONIC and the baselines of the paper, each a registered pure function
-(task rewards r, lengths L, truncation flags, lambda) -> shaped rewards (docs/algorithm.md, "Shapers").
+(task rewards r, lengths L, truncation flags, lambda) -> shaped rewards, all on [P, G] (prompts x group)
+(docs/algorithm.md, "Shapers").
 
-The trainer calls the recipe's :class:`Shaper` once per GRPO step on the rollout batch (flat tensors [N],
-N = num_prompts * G, each prompt's G responses contiguous) with the current lambda, then computes group
-advantages of the shaped rewards. lambda lives in the trainer's :class:`~laconic_nemo.core.dual.DualController`
-(shapers registered with ``lam="dual"``), is ``laconic.lambda_init`` (``lam="fixed"``) or 0 (``lam="none"``).
-Settings are checked once, at the config boundary (:mod:`laconic_nemo.config`).
+The trainer calls :func:`shape` once per GRPO step on the rollout batch, grouped [P, G], with the recipe's
+``laconic:`` section (:class:`laconic_nemo.config.LaconicConfig`, read as it is: ``shaper``, ``budget``,
+``penalty_cap``, ``hit_cap``, ``alpha``, ``overlong_buffer``, ``overlong_penalty``) and the current lambda, then
+computes group advantages of the shaped rewards. lambda lives in the trainer's
+:class:`~laconic_nemo.core.dual.DualController` (shapers registered with ``lam="dual"``: :func:`lambda_controller`),
+is ``laconic.lambda_init`` (``lam="fixed"``) or 0 (``lam="none"``) (:func:`constant_lambda`). Settings are checked
+once, at the config boundary (:mod:`laconic_nemo.config`; the plug-ins' own boundary is
+``integrations.common.LaconicSettings``); :class:`Shaper` holds the same settings for callers without a recipe.
 
 L is the number of generated tokens of a response (EOS excluded; a truncated response counts L_max).
-``1[correct]`` is ``task_reward > correct_threshold`` (0.5: right for 0/1 accuracy and for the authors'
+``1[correct]`` is ``task_reward > CORRECT`` (0.5: right for 0/1 accuracy and for the authors'
 0.9 * accuracy + 0.1 * format reward).
 """
 
@@ -16,25 +20,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from laconic_nemo.core.advantages import check_group_size
-from laconic_nemo.core.costs import clipped_cost, float_dtype_of, lagrangian_reward, length_penalty, linear_cost
+from laconic_nemo.core.costs import clipped_cost64, float_dtype_of, lagrangian_reward, length_penalty, linear_cost64
+from laconic_nemo.core.dual import DualController
 
-__all__ = ["SHAPERS", "Shaper", "register_shaper", "shaping_metrics"]
+__all__ = ["SHAPERS", "Shaper", "constant_lambda", "lambda_controller", "register_shaper", "shape", "shaping_metrics"]
 
-# name -> fn(r64 [N], L64 [N], trunc [N] bool, targets64 [N] | None, group_size, lam, settings) -> (shaped64, metrics)
+# name -> fn(r64 [P, G], L64 [P, G], trunc [P, G] bool, targets64 [P, G] | None, lam, settings, max_length)
+#         -> (shaped64 [P, G], metrics)
 SHAPERS: dict[str, Callable] = {}
+CORRECT = 0.5  # 1[correct] = task reward > CORRECT
 
 
 def register_shaper(name: str, *, lam: str = "none", needs_targets: bool = False,
-                    cost: Callable = clipped_cost) -> Callable:
+                    cost: Callable = clipped_cost64) -> Callable:
     """Register a shaping function under ``name`` (``laconic.shaper``).
 
     lam: where its lambda comes from: "dual" (the DualController), "fixed" (laconic.lambda_init) or "none" (0).
-    needs_targets: it takes per-sample target lengths n_gold. cost: the cost its ``mean_cost`` metric reports."""
+    needs_targets: it takes per-sample target lengths n_gold. cost: the float64 cost its ``mean_cost`` metric
+    reports."""
     def deco(fn: Callable) -> Callable:
         fn.lam, fn.needs_targets, fn.cost = lam, needs_targets, cost
         SHAPERS[name] = fn
@@ -42,9 +49,67 @@ def register_shaper(name: str, *, lam: str = "none", needs_targets: bool = False
     return deco
 
 
+def lambda_controller(settings: Any, max_length: float | None) -> DualController | None:
+    """The lambda controller of an adaptive shaper (registered with ``lam="dual"``: laconic, linear) from the
+    ``laconic:`` settings (budget B, eta, ceiling Lambda, lambda_init, floor, controller, kp, kd) and L_max; None
+    for the other shapers. One controller per constraint: a run with several constraints holds several."""
+    s = settings
+    if SHAPERS[s.shaper].lam != "dual":
+        return None
+    return DualController(s.budget, s.eta, ceiling=s.ceiling, max_length=max_length, init=s.lambda_init,
+                          floor=s.floor, controller=s.controller, kp=s.kp, kd=s.kd)
+
+
+def constant_lambda(settings: Any) -> float:
+    """lambda of a shaper without a controller: ``lambda_init`` for ``fixed``, 0 for the others."""
+    return settings.lambda_init if SHAPERS[settings.shaper].lam == "fixed" else 0.0
+
+
+def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: float, *,
+          max_length: float | None = None, truncated: torch.Tensor | None = None,
+          targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Shape one rollout batch with the shaper ``settings.shaper`` and its settings.
+
+    Args:
+        settings: the ``laconic:`` section (or a :class:`Shaper`): shaper, budget (None: the budget metrics are
+            NaN), penalty_cap, hit_cap, alpha (None: the method's default), overlong_buffer, overlong_penalty.
+        rewards: [P, G] task rewards r. lengths: [P, G] L (a truncated response counts L_max).
+        lam: lambda of this step.
+        max_length: L_max; ``truncated=None`` reads as ``L >= max_length`` (all False without it).
+        truncated: [P, G] bool, True where the response hit L_max.
+        targets: [P, G] per-sample target lengths n_gold (l1_exact / l1_max only).
+
+    Returns:
+        shaped rewards [P, G] (rewards' float dtype) and Python-float metrics (:func:`shaping_metrics` plus the
+        method's own).
+    """
+    r, L = torch.as_tensor(rewards), torch.as_tensor(lengths)
+    if r.dim() != 2 or L.shape != r.shape:
+        raise ValueError(f"rewards and lengths must be grouped [P, G] tensors of one shape, got {tuple(r.shape)} "
+                         f"and {tuple(L.shape)}")
+    fn = SHAPERS[settings.shaper]
+    r64, L64 = r.to(torch.float64), L.to(torch.float64)
+    if max_length is not None and (L64 > max_length).any():
+        raise ValueError(f"lengths must be <= max_length ({max_length:g}); a truncated response counts "
+                         f"as max_length, got max {float(L64.max()):g}")
+    if truncated is None:
+        truncated = L64 >= max_length if max_length is not None else torch.zeros_like(L64, dtype=torch.bool)
+    elif truncated.shape != r.shape or truncated.dtype != torch.bool:
+        raise ValueError(f"truncated must be a bool tensor of shape {tuple(r.shape)}, got "
+                         f"{truncated.dtype} {tuple(truncated.shape)}")
+    if fn.needs_targets and targets is None:
+        raise ValueError(f"shaper {settings.shaper!r} needs per-sample target lengths (targets [P, G], n_gold)")
+    t64 = None if targets is None else torch.as_tensor(targets).to(torch.float64)
+    shaped64, extra = fn(r64, L64, truncated, t64, lam, settings, max_length)
+    metrics = shaping_metrics(r64, L64, truncated, shaped64, lam, settings.budget, fn.cost)
+    metrics.update(extra)
+    return shaped64.to(float_dtype_of(r)), metrics
+
+
 @dataclass(frozen=True)
 class Shaper:
-    """The recipe's shaper: a registered function and its settings (from ``laconic:``); no state."""
+    """A shaper and its settings without a recipe (tests, benchmarks): the fields of the ``laconic:`` section that
+    :func:`shape` reads, under ``name`` the shaper, and L_max."""
 
     name: str
     budget: float | None = None          # B; None: the budget metrics are NaN
@@ -54,48 +119,19 @@ class Shaper:
     alpha: float | None = None           # None: the method's default
     overlong_buffer: float = 512.0
     overlong_penalty: float = 1.0
-    correct_threshold: float = 0.5
+
+    @property
+    def shaper(self) -> str:
+        return self.name
 
     @property
     def fn(self) -> Callable:
         return SHAPERS[self.name]
 
-    def __call__(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor | None,
-                 group_size: int, lam: float, targets: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Shape one rollout batch.
-
-        Args:
-            rewards: [N] task rewards r. lengths: [N] L (a truncated response counts L_max).
-            truncated: [N] bool, True where the response hit L_max; None = ``L >= max_length`` (all False
-                without max_length). group_size: G, dividing N. lam: lambda of this step.
-            targets: [N] per-sample target lengths n_gold (l1_exact / l1_max only).
-
-        Returns:
-            shaped rewards [N] (rewards' float dtype) and Python-float metrics (:func:`shaping_metrics` plus the
-            method's own).
-        """
-        r, L = torch.as_tensor(rewards), torch.as_tensor(lengths)
-        if r.dim() != 1 or L.shape != r.shape:
-            raise ValueError(f"rewards and lengths must be flat tensors [N] of one shape, got {tuple(r.shape)} "
-                             f"and {tuple(L.shape)}")
-        check_group_size(r.numel(), group_size)
-        r64, L64 = r.to(torch.float64), L.to(torch.float64)
-        if self.max_length is not None and (L64 > self.max_length).any():
-            raise ValueError(f"lengths must be <= max_length ({self.max_length:g}); a truncated response counts "
-                             f"as max_length, got max {float(L64.max()):g}")
-        if truncated is None:
-            truncated = L64 >= self.max_length if self.max_length is not None else torch.zeros_like(L64, dtype=bool)
-        elif truncated.shape != r.shape or truncated.dtype != torch.bool:
-            raise ValueError(f"truncated must be a bool tensor of shape {tuple(r.shape)}, got "
-                             f"{truncated.dtype} {tuple(truncated.shape)}")
-        if self.fn.needs_targets and targets is None:
-            raise ValueError(f"shaper {self.name!r} needs per-sample target lengths (targets [N], n_gold)")
-        t64 = None if targets is None else torch.as_tensor(targets).to(torch.float64)
-        shaped64, extra = self.fn(r64, L64, truncated, t64, group_size, lam, self)
-        metrics = shaping_metrics(r64, L64, truncated, shaped64, lam, self.budget, self.fn.cost)
-        metrics.update(extra)
-        return shaped64.to(float_dtype_of(r)), metrics
+    def __call__(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor | None, lam: float,
+                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """:func:`shape` with these settings: rewards, lengths [P, G] -> (shaped [P, G], metrics)."""
+        return shape(self, rewards, lengths, lam, max_length=self.max_length, truncated=truncated, targets=targets)
 
 
 def shaping_metrics(r64, L64, trunc, shaped64, lam: float, budget: float | None, cost: Callable) -> dict[str, float]:
@@ -112,9 +148,8 @@ def shaping_metrics(r64, L64, trunc, shaped64, lam: float, budget: float | None,
     }
 
 
-def _lagrangian(r64, L64, trunc, lam, s: Shaper, cost: Callable):
-    """``r - min(lambda * c(L), penalty_cap) - hit_cap * 1[truncated]`` (core.costs.lagrangian_reward)."""
-    c = cost(L64, s.budget)
+def _lagrangian(r64, c, lam, trunc, s):
+    """``r - min(lambda * c, penalty_cap) - hit_cap * 1[truncated]`` (core.costs.lagrangian_reward) and its metrics."""
     n = max(r64.numel(), 1)
     extra = {}
     if s.penalty_cap is not None:
@@ -124,71 +159,69 @@ def _lagrangian(r64, L64, trunc, lam, s: Shaper, cost: Callable):
 
 
 @register_shaper("laconic", lam="dual")
-def laconic(r64, L64, trunc, t64, G, lam, s):
+def laconic(r64, L64, trunc, t64, lam, s, lmax):
     """LACONIC: clipped cost ``max((L - B) / B, 0)``, adaptive lambda."""
-    return _lagrangian(r64, L64, trunc, lam, s, clipped_cost)
+    return _lagrangian(r64, clipped_cost64(L64, s.budget), lam, trunc, s)
 
 
-@register_shaper("linear", lam="dual", cost=linear_cost)
-def linear(r64, L64, trunc, t64, G, lam, s):
+@register_shaper("linear", lam="dual", cost=linear_cost64)
+def linear(r64, L64, trunc, t64, lam, s, lmax):
     """Ablation: linear cost ``(L - B) / B`` (negative under budget), adaptive lambda."""
-    return _lagrangian(r64, L64, trunc, lam, s, linear_cost)
+    return _lagrangian(r64, linear_cost64(L64, s.budget), lam, trunc, s)
 
 
 @register_shaper("fixed", lam="fixed")
-def fixed(r64, L64, trunc, t64, G, lam, s):
+def fixed(r64, L64, trunc, t64, lam, s, lmax):
     """Ablation: clipped cost with a constant lambda = lambda_init (no dual step)."""
-    return _lagrangian(r64, L64, trunc, lam, s, clipped_cost)
+    return _lagrangian(r64, clipped_cost64(L64, s.budget), lam, trunc, s)
 
 
 @register_shaper("grpo")
-def grpo(r64, L64, trunc, t64, G, lam, s):
+def grpo(r64, L64, trunc, t64, lam, s, lmax):
     """Plain GRPO: the task reward, no length term (lambda = 0)."""
     return r64.clone(), {}
 
 
-def _alpha(s: Shaper, default: float) -> float:
+def _alpha(s: Any, default: float) -> float:
     return float(s.alpha) if s.alpha is not None else default
 
 
 @register_shaper("l1_exact", needs_targets=True)
-def l1_exact(r64, L64, trunc, t64, G, lam, s):
+def l1_exact(r64, L64, trunc, t64, lam, s, lmax):
     """L1-Exact: ``1[correct] - alpha * |n_gold - L|`` (alpha default 0.0003)."""
     gap = (t64 - L64).abs()
-    return (r64 > s.correct_threshold).to(torch.float64) - _alpha(s, 0.0003) * gap, {
-        "mean_abs_target_gap": float(gap.mean())}
+    return (r64 > CORRECT).to(torch.float64) - _alpha(s, 0.0003) * gap, {"mean_abs_target_gap": float(gap.mean())}
 
 
 @register_shaper("l1_max", needs_targets=True)
-def l1_max(r64, L64, trunc, t64, G, lam, s):
+def l1_max(r64, L64, trunc, t64, lam, s, lmax):
     """L1-Max: ``1[correct] * clip(alpha * (n_gold - L) + 0.5, 0, 1)`` (alpha default 0.0003)."""
     factor = (_alpha(s, 0.0003) * (t64 - L64) + 0.5).clamp(0.0, 1.0)
     extra = {"mean_abs_target_gap": float((t64 - L64).abs().mean()),
              "frac_over_target": float((L64 > t64).to(torch.float64).mean())}
-    return (r64 > s.correct_threshold).to(torch.float64) * factor, extra
+    return (r64 > CORRECT).to(torch.float64) * factor, extra
 
 
 @register_shaper("efficient")
-def efficient(r64, L64, trunc, t64, G, lam, s):
+def efficient(r64, L64, trunc, t64, lam, s, lmax):
     """Efficient Reasoning (Arora & Zanette): correct response i of a group gets
     ``1 - alpha * sigmoid((L_i - mean_c) / (std_c + 1e-7))`` with mean_c and the population std_c over the
-    group's correct responses; incorrect responses get 0 (alpha default 0.1)."""
-    correct = (r64 > s.correct_threshold).view(-1, G)
+    group's correct responses (a row of [P, G]); incorrect responses get 0 (alpha default 0.1)."""
+    correct = r64 > CORRECT
     c = correct.to(torch.float64)
-    Lg = L64.view(-1, G)
     denom = c.sum(dim=1, keepdim=True).clamp_min(1.0)
-    mean_c = (Lg * c).sum(dim=1, keepdim=True) / denom
-    std_c = (((Lg - mean_c) ** 2) * c).sum(dim=1, keepdim=True).div(denom).sqrt()
-    bonus = 1.0 - _alpha(s, 0.1) * torch.sigmoid((Lg - mean_c) / (std_c + 1e-7))
-    shaped = torch.where(correct, bonus, torch.zeros_like(bonus)).view(-1)
+    mean_c = (L64 * c).sum(dim=1, keepdim=True) / denom
+    std_c = (((L64 - mean_c) ** 2) * c).sum(dim=1, keepdim=True).div(denom).sqrt()
+    bonus = 1.0 - _alpha(s, 0.1) * torch.sigmoid((L64 - mean_c) / (std_c + 1e-7))
+    shaped = torch.where(correct, bonus, torch.zeros_like(bonus))
     return shaped, {"frac_correct": float(c.mean()) if c.numel() else math.nan}
 
 
 @register_shaper("overlong")
-def overlong(r64, L64, trunc, t64, G, lam, s):
+def overlong(r64, L64, trunc, t64, lam, s, lmax):
     """DAPO soft overlong punishment: ``r + min(-(L - (L_max - buffer)) / buffer * penalty, 0)``."""
     buffer = float(s.overlong_buffer)
-    start = float(s.max_length) - buffer
+    start = float(lmax) - buffer
     pen = (-(L64 - start) / buffer * float(s.overlong_penalty)).clamp_max(0.0)
     n = max(r64.numel(), 1)
     return r64 + pen, {"frac_in_overlong_buffer": float((L64 > start).sum()) / n,

@@ -71,10 +71,10 @@ def check_args(args) -> str | None:
                 "run or checkpoint to export")
     if not run_like:
         from laconic_nemo.config import ConfigError
-        from laconic_nemo.launch_plan import _hf_config
+        from laconic_nemo.plan.layout import hf_config
 
         try:
-            _hf_config(model)  # a config.json that is not a JSON object: named with its line
+            hf_config(model)  # a config.json that is not a JSON object: named with its line
         except ConfigError as exc:
             return f"--model {args.model!r}: {exc}"
     try:
@@ -116,7 +116,7 @@ def _check_synthetic(args) -> str | None:
     if error:
         return error
     from laconic_nemo.eval.synthetic import run_config, warmup_policy_dir
-    from laconic_nemo.export import ExportError
+    from laconic_nemo.tools.export import ExportError
 
     try:
         cfg, world_size = run_config(os.path.expanduser(args.model))
@@ -192,7 +192,7 @@ def _check_output_dir(path: str) -> str | None:
     """``--output-dir`` is a writable folder or can be created, and its samples.jsonl (an earlier, interrupted
     evaluation that this one continues) is UTF-8 text."""
     from laconic_nemo.config import ConfigError
-    from laconic_nemo.preflight import check_writable_dir
+    from laconic_nemo.plan.preflight import check_writable_dir
 
     try:
         check_writable_dir(path, "--output-dir")
@@ -224,8 +224,8 @@ def main(args) -> int:
     from laconic_nemo.eval.backends import EvalSampling, TransformersBackend, VLLMBackend
     from laconic_nemo.eval.benchmarks import parse_benchmarks
     from laconic_nemo.eval.runner import evaluate
-    from laconic_nemo.export import ExportError, hf_model_dir
     from laconic_nemo.rewards import MathReward
+    from laconic_nemo.tools.export import ExportError, hf_model_dir
 
     if args.benchmarks.strip() == "synthetic":
         return _main_synthetic(args)
@@ -277,7 +277,7 @@ def _main_synthetic(args) -> int:
         run_config,
         warmup_policy_dir,
     )
-    from laconic_nemo.megatron_env import cpu_threads
+    from laconic_nemo.runtime.megatron_env import cpu_threads
 
     torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
     cfg, world_size = run_config(os.path.expanduser(args.model))

@@ -12,13 +12,14 @@
   the last ``\\boxed{}`` content equal to the answer digit (:class:`ExactAnswerGrader`).
 * Policy: a run directory or checkpoint (the latest complete checkpoint, as ``resume: auto`` picks it), or
   the run's cached warm-up policy (the RL starting point, :func:`warmup_policy_dir`). The per-rank shards
-  are merged offline (:func:`laconic_nemo.actors.megatron_core.merge_rank_states`, the actor's own rules)
+  are merged offline (:func:`laconic_nemo.actors.megatron_shards.merge_rank_states`, the actor's own rules)
   and loaded into a one-process megatron-core actor at TP = PP = 1 (:class:`MegatronBackend`); samples come
   from the actor's own sampler (``MegatronCoreActor.generate``), the one training used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -32,11 +33,9 @@ WARMUP_DONE = "done"  # the marker the trainer writes into a complete warm-up ca
 
 
 def _task(cfg):
-    from omegaconf import OmegaConf
-
     from laconic_nemo.data.synthetic import SyntheticTask
 
-    return SyntheticTask(**OmegaConf.to_container(cfg.data.synthetic, resolve=True))
+    return SyntheticTask(**dataclasses.asdict(cfg.data.synthetic))
 
 
 def training_problems(cfg) -> list:
@@ -112,19 +111,18 @@ class ExactAnswerGrader:
 # ------------------------------------------------------------------------------------------------ policies
 def run_config(path: str | Path):
     """The config of a run directory / checkpoint (its checkpoint's ``trainer_state.json``, else the run's
-    ``config.yaml``) as an OmegaConf DictConfig, with ``world_size`` (the training's process count, None when
-    unknown) as a second value."""
-    from omegaconf import OmegaConf
-
-    from laconic_nemo.export import STATE, ExportError, resolve_checkpoint
+    ``config.yaml``) as a checked :class:`~laconic_nemo.config.Config`, with ``world_size`` (the training's process
+    count, None when unknown) as a second value."""
+    from laconic_nemo.config import build_config, load_config
+    from laconic_nemo.tools.export import STATE, ExportError, resolve_checkpoint
 
     p = Path(path)
     try:
         state = json.loads((resolve_checkpoint(p) / STATE).read_text())
-        return OmegaConf.create(state["config"]), state.get("world_size")
+        return build_config(state["config"]), state.get("world_size")
     except ExportError:
         if (p / "config.yaml").is_file():
-            return OmegaConf.load(p / "config.yaml"), None
+            return load_config(p / "config.yaml"), None
         raise
 
 
@@ -145,10 +143,9 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
     in ``MegatronCoreActor.full_state_dict``; the vocabulary padding is dropped ([V, H] rows).
     split_dims: local name -> TP concatenation dim, for shards that do not record theirs (warm-up caches): the
     ``tp_split_dims()`` of an actor of the same model."""
-    from omegaconf import OmegaConf
-
-    from laconic_nemo.actors.megatron_core import merge_rank_states
-    from laconic_nemo.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
+    from laconic_nemo.actors.megatron_shards import merge_rank_states
+    from laconic_nemo.config import to_dict
+    from laconic_nemo.tools.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
 
     p = Path(path)
     shard_files = {f for f in p.iterdir() if SHARD.match(f.name)} if p.is_dir() else set()
@@ -157,7 +154,7 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
             raise ExportError(f"{p}: an incomplete warm-up cache (no '{WARMUP_DONE}' marker)")
         if cfg is None:
             raise ExportError(f"{p}: a warm-up cache folder has no config; give the run's config")
-        cfg = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+        cfg = cfg if isinstance(cfg, dict) else to_dict(cfg)
         files = {tuple(int(x) for x in SHARD.match(f.name).groups()): f for f in shard_files}
         par = cfg["parallel"]
         tp, pp = int(par["tensor_model_parallel_size"]), int(par["pipeline_model_parallel_size"])
@@ -190,16 +187,15 @@ class MegatronBackend:
     """
 
     def __init__(self, cfg, batch_size: int = 256):
-        from omegaconf import OmegaConf
-
         from laconic_nemo.actors.megatron_core import MegatronCoreActor
+        from laconic_nemo.config import build_config, to_dict
         from laconic_nemo.data.synthetic import CharTokenizer
-        from laconic_nemo.megatron_env import init_distributed
+        from laconic_nemo.runtime.megatron_env import init_distributed
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tokenizer = CharTokenizer()
-        base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg)
+        base = build_config(cfg if isinstance(cfg, dict) else to_dict(cfg))  # a copy: changed below
         base.parallel.tensor_model_parallel_size = 1
         base.parallel.pipeline_model_parallel_size = 1
         base.parallel.backend = "gloo"
@@ -216,9 +212,9 @@ class MegatronBackend:
         """Load the policy at ``path``; returns its run config. Its architecture must equal this backend's."""
         full, run_cfg = policy_state(path, cfg, self.actor.tp_split_dims())
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings"):
-            if int(run_cfg["model"][key]) != int(self.cfg.model[key]):
+            if int(run_cfg["model"][key]) != getattr(self.cfg.model, key):
                 raise ValueError(f"{path}: model.{key} = {run_cfg['model'][key]}, the backend was built with "
-                                 f"{self.cfg.model[key]}")
+                                 f"{getattr(self.cfg.model, key)}")
         self.actor.load_full_state_dict(full)
         return run_cfg
 

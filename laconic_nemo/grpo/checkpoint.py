@@ -27,16 +27,16 @@ import random
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-from laconic_nemo.faults import fault_point, heartbeat
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import PolicyActor
 from laconic_nemo.grpo.resume import MANIFEST, METRICS_COPY, read_manifest, read_metrics
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 
 class CheckpointWriteError(OSError):
@@ -142,7 +142,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def find_resume_checkpoint(cfg: DictConfig, notes: list[str] | None = None) -> Path | None:
+def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
+    """Sum of ``values`` over ``group`` (no-op without torch.distributed). Returns a CPU tensor."""
+    t = torch.as_tensor(values, dtype=dtype).clone()
+    if dist_ready():
+        backend = dist.get_backend(group)
+        if backend == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.cpu()
+
+
+def find_resume_checkpoint(cfg: Config, notes: list[str] | None = None) -> Path | None:
     """The complete, intact checkpoint to resume (``checkpoint.resume`` auto / never / a folder, see
     :func:`laconic_nemo.grpo.resume.resume_source`); never a ``.tmp`` folder. FileNotFoundError when impossible.
     ``notes`` receives a line per damaged checkpoint skipped."""
@@ -268,6 +279,34 @@ class CheckpointManager:
                 return (f"{path / name} does not match {MANIFEST} (size {size} vs {meta['size']}, CRC-32 "
                         f"{crc:08x} vs {int(meta['crc32']):08x})")
         return None
+
+    def resume_point(self, cfg: Config, actor: PolicyActor, log: bool = False) -> Path | None:
+        """The checkpoint to resume (:func:`find_resume_checkpoint`) whose files match their manifest on EVERY rank
+        (each rank checks the CRC-32 of the files it reads, then all agree); a damaged one is named and skipped for the
+        previous complete one. ``log``: print a line per checkpoint skipped (rank 0)."""
+        from laconic_nemo.grpo.resume import choose_checkpoint
+
+        notes: list[str] = []
+        ckpt = find_resume_checkpoint(cfg, notes)
+        excluded: tuple[Path, ...] = ()
+        while ckpt is not None:
+            why = self.verify(ckpt, actor)
+            if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
+                break
+            if str(cfg.checkpoint.resume) != "auto" or self.hook is not None:
+                # an explicit folder; or an actor that restored its own files of this step already (NeMo)
+                raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
+                                 "to resume from the previous one")
+            notes = [*notes, f"checkpoint {ckpt} is damaged and skipped: {why or 'a file of another rank'}"]
+            excluded += (ckpt,)
+            ckpt, more = choose_checkpoint(ckpt.parent, exclude=excluded)
+            notes += [n for n in more if "is damaged" in n]
+            notes.append(f"resuming from the previous complete checkpoint {ckpt}" if ckpt is not None else
+                         "no intact checkpoint is left: the run starts from step 1")
+        if log:
+            for note in notes:
+                print(note, flush=True)
+        return ckpt
 
     def load(self, path: Path, actor: PolicyActor) -> None:
         """Restore this rank's model shard and RNG state from the step folder ``path``."""

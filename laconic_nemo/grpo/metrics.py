@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from laconic_nemo.config import ConfigError
-from laconic_nemo.faults import armed, fire
+from laconic_nemo.config import ConfigError, to_dict
+from laconic_nemo.runtime.faults import armed, fire
 
 WANDB_STATE = "laconic_run.json"
 
@@ -203,15 +203,13 @@ class LightningLoggerSink:
 
 def build_sinks(cfg, resume_step: int) -> list[MetricSink]:
     """The dashboards ``cfg.logging`` asks for, opened to continue after step ``resume_step`` (rank 0 only)."""
-    from omegaconf import OmegaConf
-
     sinks: list[MetricSink] = []
     lg = cfg.logging
     if tensorboard_enabled(lg):
         sinks.append(TensorBoardSink(tensorboard_dir(cfg), resume_step))
     if lg.wandb:
         sinks.append(WandbSink(cfg.run.output_dir, lg.wandb_project, lg.wandb_name or cfg.run.name, lg.wandb_mode,
-                               lg.wandb_entity, config=OmegaConf.to_container(cfg, resolve=True)))
+                               lg.wandb_entity, config=to_dict(cfg)))
     return sinks
 
 

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from laconic_nemo.config import Config
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MANIFEST = "manifest.json"
@@ -226,7 +226,7 @@ def missing_steps(rows: list[dict], step: int) -> list[int]:
     return [s for s in range(1, int(step) + 1) if s not in have]
 
 
-def resume_source(cfg: DictConfig, notes: list[str] | None = None) -> Path | None:
+def resume_source(cfg: Config, notes: list[str] | None = None) -> Path | None:
     """The checkpoint this run resumes from (None: a fresh start); ConfigError when that is not possible.
     ``notes`` receives a line for each damaged checkpoint skipped (:func:`choose_checkpoint`)."""
     from laconic_nemo.config import ConfigError

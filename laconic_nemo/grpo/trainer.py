@@ -36,17 +36,29 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.config import check_layout
-from laconic_nemo.core import cost_lengths, group_advantages, load_shaper_state, next_lambda, shaper_state
+from laconic_nemo.config import Config, check_layout, defaults, to_dict, to_yaml
+from laconic_nemo.core import (
+    constant_lambda,
+    cost_lengths,
+    group_advantages,
+    lambda_controller,
+    load_shaper_state,
+    next_lambda,
+    shape,
+    shaper_state,
+)
 from laconic_nemo.data.sampler import PromptSampler, shard_prompts
-from laconic_nemo.faults import fault_point, heartbeat
-from laconic_nemo.grpo.build import advantage_settings, build_dual, build_shaper, constant_lambda, loss_settings
-from laconic_nemo.grpo.checkpoint import CheckpointHook, CheckpointManager, barrier, dist_ready, find_resume_checkpoint
+from laconic_nemo.grpo.checkpoint import (
+    CheckpointHook,
+    CheckpointManager,
+    allreduce_sum,
+    barrier,
+    dist_ready,
+    find_resume_checkpoint,
+)
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
-    LossFn,
     PolicyActor,
     SamplingParams,
     TrainBatch,
@@ -54,6 +66,7 @@ from laconic_nemo.grpo.interfaces import (
 )
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 from laconic_nemo.grpo.metrics import MetricSink, MetricsWriter, build_sinks
+from laconic_nemo.runtime.faults import fault_point, heartbeat
 
 # (responses, reference answers) -> (scores in [0, 1], metrics)
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
@@ -62,15 +75,20 @@ PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
-def allreduce_sum(values: Sequence[float] | torch.Tensor, group=None, dtype=torch.float64) -> torch.Tensor:
-    """Sum of ``values`` over ``group`` (no-op without torch.distributed). Returns a CPU tensor."""
-    t = torch.as_tensor(values, dtype=dtype).clone()
-    if dist_ready():
-        backend = dist.get_backend(group)
-        if backend == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.cpu()
+def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
+                      truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Steps 4 and 5 on one rank's groups: the shaper of ``cfg.laconic`` at lambda ``lam`` (L_max =
+    ``rollout.max_new_tokens``), then the group advantages of the ``grpo:`` settings.
+
+    rewards, lengths: [P, G] task rewards r and lengths L; truncated: [P, G] bool or None (``L >= L_max``);
+    targets: [P, G] n_gold of the L1 baselines. Returns (shaped rewards [P, G], advantages [P, G], the shaper's
+    metrics)."""
+    g = cfg.grpo
+    shaped, metrics = shape(cfg.laconic, rewards, lengths, lam, max_length=cfg.rollout.max_new_tokens,
+                            truncated=truncated, targets=targets)
+    return shaped, group_advantages(shaped, eps=g.advantage_eps, leave_one_out=g.leave_one_out,
+                                    std=g.advantage_std), metrics
 
 
 @dataclass
@@ -125,7 +143,7 @@ class GRPOTrainer:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         actor: PolicyActor,
         encode: Callable[[str], list[int]],
         decode: Callable[[Sequence[int]], str],
@@ -138,18 +156,15 @@ class GRPOTrainer:
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
         self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
-        g = cfg.grpo
-        self.G = int(g.group_size)
         self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
-        self.local_minibatch = int(g.minibatch_size) // dp
-        # the same builders `laconic-nemo plan` runs; the controller is the only state of the shaping
-        self.shaper, self.dual, self._constant_lambda = build_shaper(cfg), build_dual(cfg), constant_lambda(cfg)
-        rng = cfg.data.target_length_range
-        self.target_range = None if rng is None else (int(rng[0]), int(rng[1]))
-        self.sampler = PromptSampler(len(self.prompts), int(g.num_prompts_per_step), cfg.run.seed,
-                                     cfg.data.shuffle)
+        self.local_minibatch = cfg.grpo.minibatch_size // dp
+        # the lambda controller (the only state of the shaping) or the shaper's constant lambda; `laconic-nemo plan`
+        # builds the same (laconic_nemo.plan.step_one)
+        self.dual = lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
+        self._constant_lambda = constant_lambda(cfg.laconic)
+        self.sampler = PromptSampler(len(self.prompts), cfg.grpo.num_prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if dist_ready() else 0
         self.world = dist.get_world_size() if dist_ready() else 1
@@ -188,7 +203,8 @@ class GRPOTrainer:
         """Generate this rank's G responses per prompt of ``step`` and grade them."""
         indices = shard_prompts(self.sampler.batch(step), self.actor.dp_rank, self.actor.dp_size)
         prompt_texts, targets = self._prompt_texts(step, indices)
-        items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(self.G)]
+        G = self.cfg.grpo.group_size
+        items = [(t, self.prompts[i][1]) for t, i in zip(prompt_texts, indices) for _ in range(G)]
         prompt_ids = [self.encode(p) for p, _ in items]
         sampling = SamplingParams(
             temperature=self.cfg.rollout.temperature,
@@ -206,16 +222,16 @@ class GRPOTrainer:
         with timer("reward"):
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
         if targets is not None:
-            targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(self.G)
+            targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(G)
         return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets)
 
     def _prompt_texts(self, step: int, indices: list[int]):
         """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
         seed, step and prompt index only, so they do not depend on the layout)."""
         texts = [self.prompts[i][0] for i in indices]
-        if self.target_range is None:
+        if self.cfg.data.target_length_range is None:
             return texts, None
-        lo, hi = self.target_range
+        lo, hi = self.cfg.data.target_length_range
         targets = []
         for i in indices:
             g = torch.Generator().manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1_000_033 + i)
@@ -239,32 +255,33 @@ class GRPOTrainer:
         rollout = self._rollout(step, timer)
         gen, task_reward, targets = rollout.gen, rollout.task_reward, rollout.targets
 
+        lc, g = self.cfg.laconic, self.cfg.grpo
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
-            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, self.cfg.laconic.count_eos)
-            shaped, shaper_metrics = self.shaper(task_reward, lengths, truncated, self.G, self.lam, targets)
-            advantages = group_advantages(shaped, self.G, **advantage_settings(self.cfg))
+            lengths, truncated = cost_lengths(gen.lengths, gen.truncated, lc.count_eos)
+            # the rank's responses [N] as its groups [P, G]: each prompt's G samples are contiguous (_rollout)
+            G = g.group_size
+            _, advantages, shaper_metrics = shaped_advantages(
+                self.cfg, task_reward.view(-1, G), lengths.view(-1, G), self.lam,
+                truncated=None if truncated is None else truncated.view(-1, G),
+                targets=None if targets is None else targets.view(-1, G))
 
         batch = TrainBatch(
             tokens=gen.tokens,
             prompt_lengths=gen.prompt_lengths,
             response_lengths=gen.response_lengths,
             response_mask=response_mask(gen.prompt_lengths, gen.response_lengths, gen.tokens.shape[1]),
-            advantages=advantages.float(),
+            advantages=advantages.view(-1).float(),
         )
         with timer("logprobs"):
             # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
             temp = self.cfg.rollout.temperature
             batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
-            if self.cfg.grpo.kl_beta > 0:
+            if g.kl_beta > 0:
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
 
-        # the loss of this step: the recipe's settings at the rollout temperature; each optimiser minibatch
-        # binds its own global token / sequence counts
-        make_loss = functools.partial(make_grpo_loss_fn, **loss_settings(self.cfg),
-                                      temperature=self.cfg.rollout.temperature)
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch, make_loss)
+            update_metrics = self._policy_update(batch)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -277,7 +294,7 @@ class GRPOTrainer:
         metrics.update(
             step=step + 1,
             mean_response_length=global_mean_length,
-            budget=self.cfg.laconic.budget,
+            budget=lc.budget,
             **{"lambda": lam_used, "lambda_next": lam_next},
         )
         metrics["step_seconds"] = time.perf_counter() - t_start
@@ -287,9 +304,10 @@ class GRPOTrainer:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
 
-    def _policy_update(self, batch: TrainBatch, make_loss: Callable[..., LossFn]) -> dict[str, float]:
-        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses; ``make_loss(
-        global_num_tokens=, global_num_seqs=)`` gives the loss of a minibatch. Returns the mean metrics."""
+    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
+        the recipe's ``grpo:`` settings at the rollout temperature and the minibatch's global token / sequence
+        counts. Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -297,8 +315,10 @@ class GRPOTrainer:
         for start in range(0, n_local, self.local_minibatch):
             mb = batch.select(slice(start, start + self.local_minibatch))
             counts = allreduce_sum([float(mb.response_mask.sum()), float(len(mb))], group=self.actor.dp_group)
-            loss_fn = make_loss(global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]))
-            out = self.actor.train_step(mb, loss_fn, int(g.micro_batch_size))
+            loss_fn = make_grpo_loss_fn(g.clip_eps, g.clip_eps_high, g.kl_beta, g.loss_aggregation,
+                                        global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]),
+                                        clip_dual=g.clip_dual, temperature=self.cfg.rollout.temperature)
+            out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n_updates += 1
@@ -322,10 +342,10 @@ class GRPOTrainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {
             "step": step,
-            "shaper": shaper_state(self.shaper.name, self.dual),
+            "shaper": shaper_state(self.cfg.laconic.shaper, self.dual),
             "world_size": self.world,
             "dp_size": self.actor.dp_size,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": to_dict(self.cfg),
         }
 
     def save_checkpoint(self, step: int) -> Path:
@@ -338,35 +358,7 @@ class GRPOTrainer:
         ``notes`` receives a line per damaged checkpoint skipped."""
         return find_resume_checkpoint(self.cfg, notes)
 
-    def _verified_resume_checkpoint(self) -> Path | None:
-        """The checkpoint to resume whose files match their manifest on EVERY rank (each rank checks the CRC-32
-        of the files it reads); a damaged one is named and skipped for the previous complete one."""
-        from laconic_nemo.grpo.resume import choose_checkpoint
-
-        notes: list[str] = []
-        ckpt = self.find_resume_checkpoint(notes)
-        excluded: tuple[Path, ...] = ()
-        while ckpt is not None:
-            why = self.checkpoints.verify(ckpt, self.actor)
-            if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
-                break
-            if str(self.cfg.checkpoint.resume) != "auto" or self.checkpoints.hook is not None:
-                # an explicit folder; or an actor that restored its own files of this step already (NeMo)
-                raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
-                                 "to resume from the previous one")
-            notes = [*notes, f"checkpoint {ckpt} is damaged and skipped: {why or 'a file of another rank'}"]
-            excluded += (ckpt,)
-            ckpt, more = choose_checkpoint(ckpt.parent, exclude=excluded)
-            notes += [n for n in more if "is damaged" in n]
-            notes.append(f"resuming from the previous complete checkpoint {ckpt}" if ckpt is not None else
-                         "no intact checkpoint is left: the run starts from step 1")
-        if self.is_logger:
-            for note in notes:
-                print(note, flush=True)
-        return ckpt
-
     def load_checkpoint(self, path: Path) -> int:
-        from laconic_nemo.config import base_config_path
         from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
 
         state = read_trainer_state(path)
@@ -375,13 +367,13 @@ class GRPOTrainer:
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
-        allowed = check_resume_config(path, state.get("config", {}), OmegaConf.to_container(self.cfg, resolve=True),
+        allowed = check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
                                       list(self.cfg.checkpoint.resume_allow_changes or []),
-                                      OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
+                                      defaults())
         # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
         strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
         self.checkpoints.load(path, self.actor)
-        load_shaper_state(self.shaper.name, self.dual, state["shaper"], strict=strict)
+        load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop
@@ -389,9 +381,9 @@ class GRPOTrainer:
         """Train until ``run.num_steps``; returns "finished" or "preempted"."""
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+            (self.out / "config.yaml").write_text(to_yaml(self.cfg))
         barrier()
-        resume = self._verified_resume_checkpoint()
+        resume = self.checkpoints.resume_point(self.cfg, self.actor, log=self.is_logger)
         if resume is not None:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from laconic_nemo.core import SHAPERS, DualController, Shaper
+from laconic_nemo.core import SHAPERS, DualController, lambda_controller, shape
 from laconic_nemo.core.dual import DualSettingError
 
 __all__ = ["LENGTH", "STATE_FORMAT", "LaconicSettings", "LaconicState", "dual_shapers"]
@@ -96,9 +96,7 @@ class LaconicSettings:
 
     def controller_for(self) -> DualController:
         """A fresh controller of the length multiplier (checks every setting)."""
-        return DualController(budget=self.budget, eta=self.eta, ceiling=self.ceiling, max_length=self.max_length,
-                              init=self.lambda_init, floor=self.floor, controller=self.controller, kp=self.kp,
-                              kd=self.kd)
+        return lambda_controller(self, self.max_length)
 
 
 class LaconicState:
@@ -111,9 +109,6 @@ class LaconicState:
     def __init__(self, settings: LaconicSettings):
         self.settings = settings
         self.multipliers: dict[str, DualController] = {LENGTH: settings.controller_for()}
-        self._shaper = Shaper(name=settings.shaper, budget=float(settings.budget),
-                              max_length=None if settings.max_length is None else float(settings.max_length),
-                              penalty_cap=settings.penalty_cap, hit_cap=float(settings.hit_cap))
 
     @property
     def lam(self) -> float:
@@ -137,11 +132,15 @@ class LaconicState:
             float64 tensor [N] and the shaper's batch metrics (Python floats: mean_length, frac_over_budget,
             mean_cost, mean_penalty, ...) over these N responses.
         """
-        r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
-        L = torch.as_tensor(lengths).reshape(-1)
+        r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1, 1)
+        L = torch.as_tensor(lengths).reshape(-1, 1)
         # The Lagrangian shapers price each response alone; the group enters only the framework's advantage,
-        # so the batch is handed over as N groups of one.
-        return self._shaper(r, L, truncated, 1, self.lam)
+        # so the batch is handed over as N groups of one ([N, 1]).
+        trunc = None if truncated is None else torch.as_tensor(truncated).reshape(-1, 1)
+        s = self.settings
+        shaped, metrics = shape(s, r, L, self.lam, truncated=trunc,
+                                max_length=None if s.max_length is None else float(s.max_length))
+        return shaped.view(-1), metrics
 
     def dual_step(self, global_mean_length: float) -> float:
         """One dual step of every multiplier with the mean response length of the WHOLE global batch; the new

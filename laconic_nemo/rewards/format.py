@@ -19,7 +19,7 @@ Note: when the prompt template already opens ``<think>`` (the DeepSeek-R1-Distil
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .math_reward import MathReward
 
@@ -40,18 +40,18 @@ def think_boxed_format(response: str) -> float:
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
 
 
-def build_reward_fn(reward_cfg: Mapping[str, Any], checker=None) -> tuple[RewardFn, MathReward]:
-    """The math reward function of a recipe's ``reward:`` section (kind ``math``).
+def build_reward_fn(reward: Any, checker=None) -> tuple[RewardFn, MathReward]:
+    """The math reward function of a recipe's ``reward:`` section (kind ``math``; ``laconic_nemo.config.RewardConfig``:
+    its ``format``, ``format_weight``, ``num_workers`` and ``timeout_s``).
 
     Builds :class:`MathReward` (no worker process starts before the first call) and, for
     ``format: think_boxed``, combines its accuracy with :func:`think_boxed_format`. Returns
     ``(reward_fn, grader)``; close ``grader`` when done. ``checker`` replaces math-verify (tests).
     """
-    fmt = str(reward_cfg.get("format", "boxed"))
+    fmt, fw = reward.format, reward.format_weight
     if fmt not in FORMATS:
         raise ValueError(f"reward.format must be one of {FORMATS}, got {fmt!r}")
-    fw = float(reward_cfg.get("format_weight", 0.0))
-    kwargs = dict(num_workers=int(reward_cfg["num_workers"]), timeout_s=float(reward_cfg["timeout_s"]))
+    kwargs = dict(num_workers=reward.num_workers, timeout_s=reward.timeout_s)
     if checker is not None:
         kwargs["checker"] = checker
     if fmt == "boxed":

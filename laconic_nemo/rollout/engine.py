@@ -61,7 +61,6 @@ frameworks do, needs the whole model's memory on every GPU and a weight gather p
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -73,32 +72,13 @@ from laconic_nemo.rollout.graphs import GraphRunner, bucket_for, kv_length
 from laconic_nemo.rollout.kv_cache import KVCacheShape, StaticKVCache, check_fits, device_memory_bytes
 from laconic_nemo.rollout.megatron_sampler import (
     check_sampling,
-    counter_uniforms,
-    draw,
-    draw_on_device,
-    filtered_probs,
     sample_seed,
 )
+from laconic_nemo.rollout.slots import Sig, Slots, SlotsMixin
+from laconic_nemo.rollout.stage import StageMixin
 
 ENGINE_SAMPLERS = ("exact", "device")
 DEFAULT_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
-
-
-def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
-    """The TP shards of ``t`` side by side: [..., n] on each of the tp ranks of ``group`` -> [..., tp * n] (rank r's
-    shard in columns r*n..(r+1)*n, as megatron's ``gather_from_tensor_model_parallel_region``), through torch's
-    ``all_gather_single`` (torch >= 2.13 deprecates the ``all_gather_into_tensor`` that megatron-core 0.11 calls;
-    older torch has only that). A copy of bytes: the result is bit for bit megatron's."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    if world == 1:
-        return t
-    t = t.contiguous()
-    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t, group=group)
-    return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
 
 
 @dataclass
@@ -219,65 +199,6 @@ def inference_context(model):
         model.train(was_training)
 
 
-@dataclass(frozen=True)
-class _Sig:
-    """The sampling settings a captured step bakes in (part of its graph key)."""
-
-    sampler: str
-    temperature: float
-    top_p: float
-    eos: int
-    pad: int
-    max_new: int
-    logprobs: bool
-
-
-class _Slots:
-    """Static per-row buffers of the decode loop: capacity ``R`` rows, ``S`` positions, ``V`` vocabulary."""
-
-    def __init__(self, R: int, S: int, V: int, hidden: int, hidden_dtype: torch.dtype, device, last: bool):
-        long = dict(dtype=torch.long, device=device)
-        self.R = R
-        self.tokens = torch.zeros(R, **long)        # input token of the next step
-        self.pos = torch.zeros(R, **long)           # its position
-        self.seeds = torch.zeros(R, **long)         # device sampler: per-sample seed
-        self.generated = torch.zeros(R, **long)     # tokens generated so far (EOS included)
-        self.done = torch.ones(R, dtype=torch.bool, device=device)
-        self.hit_eos = torch.zeros(R, dtype=torch.bool, device=device)
-        self.sample_id = torch.full((R,), R, **long)  # output row of each slot; R = the scratch row
-        self.rows = torch.arange(R, **long)
-        self.sampled = torch.zeros(R, **long)
-        self.sampled_lp = torch.zeros(R, dtype=torch.float32, device=device)
-        self.logits = torch.zeros(R, V, dtype=torch.float32, device=device) if last else None
-        self.hidden_in = torch.zeros(R, hidden, dtype=hidden_dtype, device=device)
-        self.hidden_out = torch.zeros(R, hidden, dtype=hidden_dtype, device=device)
-        self.out_tokens = torch.zeros(R + 1, S + 1, **long)
-        self.out_lp = torch.zeros(R + 1, S + 1, dtype=torch.float32, device=device)
-        self.res_generated = torch.zeros(R + 1, **long)
-        self.res_eos = torch.zeros(R + 1, dtype=torch.bool, device=device)
-        self.arange = torch.arange(S, **long)
-
-    def state(self, b: int) -> list[torch.Tensor]:
-        """What a decode step advances (restored after a graph's warm-up)."""
-        return [self.tokens[:b], self.pos[:b], self.generated[:b], self.done[:b], self.hit_eos[:b]]
-
-    def retire(self, b: int) -> None:
-        """Copy the counters of slots [0, b) to their samples' result rows."""
-        ids = self.sample_id[:b]
-        self.res_generated.index_copy_(0, ids, self.generated[:b].clone())
-        self.res_eos.index_copy_(0, ids, self.hit_eos[:b].clone())
-
-    def clear(self, a: int, b: int, pad: int) -> None:
-        """Slots [a, b) hold no sample: finished, writing into the scratch row."""
-        self.done[a:b] = True
-        self.sample_id[a:b] = self.R
-        self.pos[a:b] = 0
-        self.tokens[a:b] = pad
-        self.generated[a:b] = 0
-        self.seeds[a:b] = 0
-        self.hit_eos[a:b] = False
-
-
 @dataclass
 class EngineStats:
     """What the last :meth:`DecodeEngine.generate` did (tests and the benchmark read it)."""
@@ -292,7 +213,7 @@ class EngineStats:
     graphs: int = 0                   # captured graphs (CUDA) after the call
 
 
-class DecodeEngine:
+class DecodeEngine(StageMixin, SlotsMixin):
     """Generation for a megatron-core GPT policy (see the module docstring). SPMD: call on every rank of the
     model-parallel group with the same prompts; every rank returns the same CPU tensors.
 
@@ -300,55 +221,19 @@ class DecodeEngine:
     (logits past it are never sampled); settings: :class:`EngineSettings`."""
 
     def __init__(self, model: Any, vocab_size: int, settings: EngineSettings | None = None):
-        from megatron.core import parallel_state as ps
-
         self.model = unwrap_gpt_model(model)
         self.vocab_size = int(vocab_size)
         self.settings = settings or EngineSettings()
         self.settings.check()
-        m, cfg = self.model, self.model.config
-        unsupported = [name for name, on in (
-            ("multi_latent_attention", getattr(cfg, "multi_latent_attention", False)),
-            ("num_moe_experts", getattr(cfg, "num_moe_experts", None)),
-            ("context_parallel_size > 1", getattr(cfg, "context_parallel_size", 1) > 1),
-            ("flash_decode", getattr(cfg, "flash_decode", False)),
-            ("fp8", getattr(cfg, "fp8", None)),
-        ) if on]
-        if unsupported:
-            raise ValueError(f"the decode engine does not support {', '.join(unsupported)}")
-        self.layers = list(m.decoder.layers)
-        if not self.layers:
-            raise ValueError("the decode engine needs at least one transformer layer on every pipeline stage")
-        attn = self.layers[0].self_attention
-        self.heads = int(attn.num_attention_heads_per_partition)
-        self.groups = int(attn.num_query_groups_per_partition)
-        self.head_dim = int(attn.hidden_size_per_attention_head)
-        self.scale = float(cfg.softmax_scale) if cfg.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.hidden = int(cfg.hidden_size)
-        self.kv_dtype = attn.linear_qkv.weight.dtype
-        self.hidden_dtype = torch.float32 if cfg.fp32_residual_connection else self.kv_dtype
-        self.device = attn.linear_qkv.weight.device
-        self.first, self.last = bool(m.pre_process), bool(m.post_process)
-        self.final_norm = getattr(m.decoder, "final_layernorm", None) if self.last else None
-        self.rope = m.position_embedding_type == "rope"
-        self.max_positions = int(getattr(m, "max_position_embeddings", 0) or 0)
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        if self.tp > 1:
-            self._tp_group, self._tp_src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
-        if self.pp > 1:
-            self._pp_group = ps.get_pipeline_model_parallel_group()
-            self._pp_last = ps.get_pipeline_model_parallel_last_rank()
-            self._next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
-            self._prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
+        self._read_stage()
         self.cache: StaticKVCache | None = None
-        self.slots: _Slots | None = None
+        self.slots: Slots | None = None
         self._rope_cos: torch.Tensor | None = None  # [positions, rotary dim] float32
         self._rope_sin: torch.Tensor | None = None
         self.runner = GraphRunner(self.device, enabled=self.settings.cuda_graphs, rehearse=self.settings.rehearse_graphs)
         self._weights: tuple | None = None
         self.stats = EngineStats()
+
 
     # ------------------------------------------------------------------ the cache
     def cache_shape(self, rows: int, positions: int) -> KVCacheShape:
@@ -373,7 +258,7 @@ class DecodeEngine:
                             f"rollout.max_new_tokens ({positions} positions)")
         self.free()
         self.cache = StaticKVCache(shape, self.device)
-        self.slots = _Slots(rows, positions, self.vocab_size, self.hidden, self.hidden_dtype, self.device, self.last)
+        self.slots = Slots(rows, positions, self.vocab_size, self.hidden, self.hidden_dtype, self.device, self.last)
         if self.rope:
             # the model's table [positions, 1, 1, rotary dim] of float32 angles
             freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
@@ -386,240 +271,7 @@ class DecodeEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ the model's pieces
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [b, s] -> hidden [s, b, H] (``LanguageModelEmbedding.forward`` in eval mode)."""
-        emb = self.model.embedding
-        if self.tp == 1:
-            return emb(input_ids=tokens, position_ids=positions)
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        we = emb.word_embeddings
-        local = tokens - we.vocab_start_index
-        inside = (local >= 0) & (local < we.num_embeddings_per_partition)
-        out = F.embedding(local.clamp(0, we.num_embeddings_per_partition - 1), we.weight)
-        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-        x = reduce_from_tensor_model_parallel_region(out)
-        if emb.add_position_embedding:
-            x = x + emb.position_embeddings(positions)
-        x = x.transpose(0, 1).contiguous()
-        if self.model.config.fp32_residual_connection:
-            x = x.float()
-        return emb.embedding_dropout(x)
-
-    def _rope(self, pos: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):
-        """(cos, sin) of the model's RoPE table at positions ``pos``, viewed as ``shape`` + (rotary dim,), in
-        ``dtype``: once per step for every layer (megatron's ``_apply_rotary_pos_emb_bshd`` takes the cosine and
-        sine of the same float32 angles in every call, ``rope_utils.py:118-119``)."""
-        if self._rope_cos is None:
-            return None
-        d = self._rope_cos.shape[-1]
-        return (self._rope_cos[pos].to(dtype).view(*shape, d), self._rope_sin[pos].to(dtype).view(*shape, d))
-
-    def _rotate(self, t: torch.Tensor, rope) -> torch.Tensor:
-        """megatron's ``_apply_rotary_pos_emb_bshd`` (``rope_utils.py:88-122``, not multi-latent) with the cosine
-        and sine given: the same arithmetic, so the same bits."""
-        if rope is None:
-            return t
-        from megatron.core.models.common.embeddings.rope_utils import _rotate_half
-
-        cos, sin = rope
-        rot = cos.shape[-1]
-        t, t_pass = t[..., :rot], t[..., rot:]
-        t = (t * cos) + (_rotate_half(t, self.model.config.rotary_interleaved) * sin)
-        return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
-
-    def _layer(self, layer, h: torch.Tensor, rope, attend) -> torch.Tensor:
-        """One TransformerLayer on hidden [s, b, H]; ``attend(q, k, v)`` -> context [s, b, heads * head_dim]."""
-        fused = self.model.config.bias_dropout_fusion
-        residual = h
-        x = layer.input_layernorm(h)
-        q, k, v = layer.self_attention.get_query_key_value_tensors(x)
-        ctx = attend(self._rotate(q, rope), self._rotate(k, rope), v)
-        h = layer.self_attn_bda(False, fused)(layer.self_attention.linear_proj(ctx), residual, layer.hidden_dropout)
-        residual = h
-        h = layer.mlp_bda(False, fused)(layer.mlp(layer.pre_mlp_layernorm(h)), residual, layer.hidden_dropout)
-        return h
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [s, b, H] -> float32 logits [s, b, V] over the real vocabulary, gathered over TP."""
-        if self.final_norm is not None:
-            h = self.final_norm(h)
-        m = self.model
-        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=weight, runtime_gather_output=False)  # this rank's vocabulary shard
-        if self.tp > 1:
-            logits = gather_last_dim(logits, self._tp_group)
-        return logits[..., : self.vocab_size].float()
-
-    # ------------------------------------------------------------------ communication (no-ops at TP 1 / PP 1)
-    def _tp_broadcast(self, b: int, sig: _Sig) -> None:
-        if self.tp > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(self.slots.sampled[:b], src=self._tp_src, group=self._tp_group)
-            if sig.logprobs:
-                dist.broadcast(self.slots.sampled_lp[:b], src=self._tp_src, group=self._tp_group)
-
-    def _pp_broadcast(self, b: int, sig: _Sig) -> None:
-        if self.pp > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(self.slots.sampled[:b], src=self._pp_last, group=self._pp_group)
-            if sig.logprobs:
-                dist.broadcast(self.slots.sampled_lp[:b], src=self._pp_last, group=self._pp_group)
-
-    def _send(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.send(t.contiguous(), dst=self._next)
-
-    def _recv(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.recv(t, src=self._prev)
-
-    # ------------------------------------------------------------------ sampling and bookkeeping
-    def _sample_device(self, logits: torch.Tensor, b: int, sig: _Sig) -> None:
-        """Device sampler on logits [b, V]: tokens (and their log-probs) into the static buffers."""
-        s = self.slots
-        u = counter_uniforms(s.seeds[:b], s.generated[:b])
-        tok = draw_on_device(logits, u, sig.temperature, sig.top_p)
-        s.sampled[:b].copy_(tok)
-        if sig.logprobs:
-            lp = torch.log_softmax(logits / sig.temperature, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-            s.sampled_lp[:b].copy_(lp)
-
-    def _sample_exact(self, b: int, sig: _Sig, gens: list[torch.Generator], slot_ids: list[int]) -> None:
-        """Exact sampler: TP rank 0 of the last stage draws on the host from ``logits[:b]`` with each live
-        sample's generator (one float64 uniform per generated token), as ``megatron_sampler.sample``."""
-        s = self.slots
-        if self.last and self.tp_rank == 0:
-            logits = s.logits[:b].cpu()
-            active = (~s.done[:b]).cpu()
-            probs = filtered_probs(logits, sig.temperature, sig.top_p)
-            u = torch.zeros(b, dtype=torch.float64)
-            for j in torch.nonzero(active).flatten().tolist():
-                u[j] = torch.rand((), generator=gens[slot_ids[j]], dtype=torch.float64)
-            tok = draw(probs, u)
-            s.sampled[:b].copy_(tok.to(self.device))
-            if sig.logprobs:
-                lp = torch.log_softmax(logits / sig.temperature, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-                s.sampled_lp[:b].copy_(lp.to(self.device))
-        if self.last:
-            self._tp_broadcast(b, sig)
-
-    def _advance(self, b: int, sig: _Sig) -> None:
-        """Take the sampled tokens of slots [0, b): write them after each row's position, count them, flag EOS
-        and the length limit, move each live row to its new token. Finished rows are fed ``pad``."""
-        s = self.slots
-        active = ~s.done[:b]
-        nxt = torch.where(active, s.sampled[:b], torch.full_like(s.sampled[:b], sig.pad))
-        pos, ids = s.pos[:b], s.sample_id[:b]
-        s.out_tokens.index_put_((ids, pos + 1), nxt)
-        if sig.logprobs:
-            s.out_lp.index_put_((ids, pos), torch.where(active, s.sampled_lp[:b], torch.zeros_like(s.sampled_lp[:b])))
-        gen = s.generated[:b] + active.long()
-        s.generated[:b].copy_(gen)
-        new_eos = active & (nxt == sig.eos)
-        s.hit_eos[:b] |= new_eos
-        s.done[:b] |= new_eos | (active & (gen >= sig.max_new))
-        s.pos[:b] += active.long()
-        s.tokens[:b].copy_(nxt)
-
-    # ------------------------------------------------------------------ prefill
-    def _prefill(self, prompts: list[list[int]], b: int, pad: int) -> torch.Tensor | None:
-        """Fill the cache rows [0, n) with the prompts' keys / values; return the logits [b, V] of each row's
-        last prompt position on the last stage (zeros for slots >= n), None elsewhere."""
-        n = len(prompts)
-        uniq: dict[tuple[int, ...], int] = {}
-        of_slot = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
-        texts = list(uniq)
-        order = sorted(range(len(texts)), key=lambda u: -len(texts[u]))
-        chunks, cur = [], []
-        for u in order:  # longest first: each chunk is as wide as its first prompt
-            if cur and (len(cur) + 1) * len(texts[cur[0]]) > self.settings.prefill_tokens:
-                chunks.append(cur)
-                cur = []
-            cur.append(u)
-        chunks.append(cur)
-        logits_all = torch.zeros(b, self.vocab_size, dtype=torch.float32, device=self.device) if self.last else None
-        for chunk in chunks:
-            where = {u: i for i, u in enumerate(chunk)}
-            width = len(texts[chunk[0]])
-            dest = [j for j in range(n) if of_slot[j] in where]
-            dest_t = torch.tensor(dest, dtype=torch.long, device=self.device)
-            src_t = torch.tensor([where[of_slot[j]] for j in dest], dtype=torch.long, device=self.device)
-            U = len(chunk)
-            if self.first:
-                tok = torch.full((U, width), pad, dtype=torch.long)
-                for i, u in enumerate(chunk):
-                    tok[i, : len(texts[u])] = torch.tensor(texts[u], dtype=torch.long)
-                tok = tok.to(self.device)
-                h = self._embed(tok, torch.arange(width, device=self.device).unsqueeze(0).expand(U, width))
-            else:
-                h = torch.empty(width, U, self.hidden, dtype=self.hidden_dtype, device=self.device)
-                self._recv(h)
-            rope = self._rope(torch.arange(width, device=self.device), (width, 1, 1), self.kv_dtype)
-            for li, layer in enumerate(self.layers):
-                h = self._layer(layer, h, rope, self._prefill_attention(li, dest_t, src_t))
-            self.stats.prefill_forwards += 1
-            if not self.last:
-                self._send(h)
-                continue
-            last_pos = torch.tensor([len(texts[u]) - 1 for u in chunk], device=self.device)
-            h_last = h[last_pos, torch.arange(U, device=self.device)].unsqueeze(0)  # [1, U, H]
-            logits_all[dest_t] = self._logits(h_last)[0][src_t]
-        self.stats.prefill_prompts += len(texts)
-        return logits_all
-
-    def _prefill_attention(self, li: int, dest: torch.Tensor, src: torch.Tensor):
-        def attend(q, k, v):  # q [s, U, heads, d], k / v [s, U, groups, d]
-            self.cache.write_prefix(li, dest, k.transpose(0, 1)[src], v.transpose(0, 1)[src])
-            s, U = q.shape[0], q.shape[1]
-            out = F.scaled_dot_product_attention(
-                q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
-                scale=self.scale, enable_gqa=self.heads != self.groups)  # [U, heads, s, d]
-            return out.permute(2, 0, 1, 3).reshape(s, U, self.heads * self.head_dim)
-
-        return attend
-
-    # ------------------------------------------------------------------ decode
-    def _decode_compute(self, b: int, kv: int) -> torch.Tensor | None:
-        """This stage's part of one decode step for slots [0, b), attention over positions [0, kv): logits
-        [b, V] on the last stage; otherwise the hidden state goes to ``hidden_out``."""
-        s = self.slots
-        pos = s.pos[:b]
-        if self.first:
-            h = self._embed(s.tokens[:b].unsqueeze(1), pos.unsqueeze(1))  # [1, b, H]
-        else:
-            h = s.hidden_in[:b].unsqueeze(0)
-        rope = self._rope(pos, (1, b, 1), self.kv_dtype)
-        mask = (s.arange[:kv].unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, kv)
-        rows = s.rows[:b]
-        for li, layer in enumerate(self.layers):
-            h = self._layer(layer, h, rope, self._decode_attention(li, rows, pos, mask, b, kv))
-        if not self.last:
-            s.hidden_out[:b].copy_(h[0])
-            return None
-        return self._logits(h)[0]
-
-    def _decode_attention(self, li: int, rows, pos, mask, b: int, kv: int):
-        g, per = self.groups, self.heads // self.groups
-
-        def attend(q, k, v):  # q [1, b, heads, d], k / v [1, b, groups, d]
-            self.cache.write(li, rows, pos, k[0], v[0])
-            keys = self.cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, groups, kv, d]
-            vals = self.cache.values(li)[:b, :kv].transpose(1, 2)
-            # megatron's GQA: query head i reads key-value group i // (heads / groups), so the heads of a group
-            # become that group's query rows (one kernel call, no key / value expansion)
-            qq = q[0].reshape(b, g, per, self.head_dim)
-            out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=self.scale)
-            return out.reshape(1, b, self.heads * self.head_dim)
-
-        return attend
-
-    def _decode_step(self, b: int, kv: int, sig: _Sig, gens, slot_ids) -> None:
+    def _decode_step(self, b: int, kv: int, sig: Sig, gens, slot_ids) -> None:
         s = self.slots
         if sig.sampler == "device" and self.pp == 1:
             def step():
@@ -650,17 +302,6 @@ class DecodeEngine:
         self._pp_broadcast(b, sig)
         self._advance(b, sig)
 
-    def _compact(self, alive: list[int], b: int, nb: int, upto: int, pad: int) -> None:
-        """Move the live slots ``alive`` (increasing) to [0, len(alive)) - state and KV rows - and clear the
-        rest of the new bucket ``nb``."""
-        s, n = self.slots, len(alive)
-        s.retire(b)
-        idx = torch.tensor(alive, dtype=torch.long, device=self.device)
-        for t in (s.tokens, s.pos, s.seeds, s.generated, s.done, s.hit_eos, s.sample_id):
-            t[:n] = t[idx]
-        s.clear(n, nb, pad)
-        self.cache.move_rows(alive, upto)
-        self.stats.compactions += 1
 
     # ------------------------------------------------------------------ generation
     def _weights_moved(self) -> bool:
@@ -680,6 +321,8 @@ class DecodeEngine:
         0 elsewhere), the rollout side of the rollout / training log-prob mismatch.
         Returns CPU tensors, identical on every rank of the model-parallel group."""
         check_sampling(sampling)
+        if not 0 <= sampling.eos_id < self.vocab_size:
+            raise ValueError(f"sampling.eos_id must be in [0, {self.vocab_size}), got {sampling.eos_id}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         st = self.settings
@@ -690,7 +333,7 @@ class DecodeEngine:
         if self.max_positions and need_pos > self.max_positions:
             raise ValueError(f"prompt + max_new_tokens = {need_pos} exceeds max_position_embeddings "
                              f"{self.max_positions}")
-        sig = _Sig(st.sampler, float(sampling.temperature), float(sampling.top_p), int(sampling.eos_id), pad, L,
+        sig = Sig(st.sampler, float(sampling.temperature), float(sampling.top_p), int(sampling.eos_id), pad, L,
                    bool(return_logprobs))
         B = len(prompts)
         rows = B if st.kv_cache_rows is None else min(B, st.kv_cache_rows)
@@ -712,7 +355,7 @@ class DecodeEngine:
             k: torch.cat([getattr(o, k) for o in outs])
             for k in ("prompt_lengths", "response_lengths", "lengths", "truncated")})
 
-    def _run_pass(self, prompts: list[list[int]], first: int, sampling: SamplingParams, sig: _Sig,
+    def _run_pass(self, prompts: list[list[int]], first: int, sampling: SamplingParams, sig: Sig,
                   stream: int) -> GenerationOutput:
         """One pass over at most ``R`` rows (samples ``first .. first + n - 1`` of the call)."""
         st, s, n = self.settings, self.slots, len(prompts)

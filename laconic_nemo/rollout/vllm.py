@@ -37,6 +37,7 @@ import torch
 
 from laconic_nemo.bridge.arch import ModelArch
 from laconic_nemo.bridge.mapping import iter_hf_tensors
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
 
 
@@ -175,6 +176,7 @@ class VLLMRolloutEngine:
             self._vllm = vllm
             self.llm.sleep(level=2)  # training runs first; weights come from the first refit
         self._asleep = colocate and owns_engine
+        self._refit_version: int | None = None  # the policy version (optimiser steps) of the last refit
 
     @property
     def needs_refit(self) -> bool:
@@ -208,6 +210,18 @@ class VLLMRolloutEngine:
             self._weights_loaded = False
 
     # ----------------------------------------------------------------------------------------- generate
+    def generate_from(self, model_chunks, version: int, prompts: list[list[int]],
+                      sampling: SamplingParams) -> GenerationOutput:
+        """A rollout of the policy ``model_chunks`` at ``version`` (its optimiser steps so far): refitted into vLLM
+        when the version changed since the last refit or vLLM discarded its weights (a colocated engine asleep),
+        then :meth:`generate`, then asleep again (colocated: the memory goes back to training)."""
+        if self._refit_version != version or self.needs_refit:
+            self.refit(model_chunks)
+            self._refit_version = version
+        out = self.generate(prompts, sampling)
+        self.sleep()
+        return out
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """One response per prompt (token ids), sampled with ``sampling``; CPU tensors."""
         if self.llm is None:
@@ -236,17 +250,16 @@ class VLLMRolloutEngine:
         return result
 
     @classmethod
-    def from_recipe(cls, cfg, model_path: str, arch: ModelArch, **kwargs) -> "VLLMRolloutEngine":
-        """Build from a recipe: ``rollout.vllm.*`` keys (when present) override the defaults."""
-        extra = dict(cfg.get("rollout", {}).get("vllm", {}) or {})
-        extra.setdefault("tensor_parallel_size", cfg.get("parallel", {}).get("tensor_model_parallel_size", 1))
-        extra.setdefault("seed", cfg.get("run", {}).get("seed", 0))
-        extra.update(kwargs)
-        return cls(model_path, arch, **extra)
+    def from_recipe(cls, cfg: Config, model_path: str, arch: ModelArch, **kwargs) -> "VLLMRolloutEngine":
+        """Build from a recipe: the ``rollout.vllm`` keys, TP and the run's seed."""
+        v = cfg.rollout.vllm
+        return cls(model_path, arch, tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                   gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len, dtype=v.dtype,
+                   colocate=v.colocate, seed=cfg.run.seed, **kwargs)
 
 
-def sampling_from_recipe(cfg, eos_id: int, seed: int = 0) -> SamplingParams:
+def sampling_from_recipe(cfg: Config, eos_id: int, seed: int = 0) -> SamplingParams:
     """SamplingParams from the recipe's ``rollout`` section (temperature, top_p, max_new_tokens)."""
-    r = cfg["rollout"]
-    return SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
-                          max_new_tokens=int(r["max_new_tokens"]), eos_id=eos_id, seed=seed)
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, eos_id=eos_id,
+                          seed=seed)

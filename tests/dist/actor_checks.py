@@ -32,6 +32,8 @@ LAYOUTS = {"tp2": (2, 1, 0.05), "pp2": (1, 2, 0.0), "dp2": (1, 1, 0.0)}  # tp, p
 def make_config(tp: int, pp: int, kl_beta: float):
     from omegaconf import OmegaConf
 
+    from laconic_nemo.config import build_config
+
     root = Path(__file__).resolve().parents[2]
     cfg = OmegaConf.load(root / "recipes" / "base.yaml")
     cfg.model.update(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -40,7 +42,7 @@ def make_config(tp: int, pp: int, kl_beta: float):
     cfg.optim.update(lr=1e-3, adam_eps=1e-3, grad_clip=0.5, warmup_steps=0)
     cfg.grpo.update(kl_beta=kl_beta, micro_batch_size=3, clip_eps=0.2, clip_eps_high=0.28,
                     micro_batch_tokens=MICRO_BATCH_TOKENS)
-    return cfg
+    return build_config(cfg)  # the checked, typed config the entry points hand on
 
 
 def make_batch(w64):
@@ -105,7 +107,7 @@ def run(rank: int, world: int, layout: str, port: int, out_dir: str) -> None:
     res["deprecations"] = sorted({f"{w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})"
                                   for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))})
     torch.save(res, Path(out_dir) / f"{layout}_rank{rank}.pt")
-    from laconic_nemo.megatron_env import destroy_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed
 
     destroy_distributed()
 
@@ -119,7 +121,7 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import init_distributed
+    from laconic_nemo.runtime.megatron_env import init_distributed
     from laconic_nemo.rollout import megatron_sampler
 
     tp, pp, kl_beta = LAYOUTS[layout]
@@ -262,7 +264,7 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
 def launch(layout: str, out: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     mp.spawn(run, args=(world, layout, port, out), nprocs=world, join=True)

@@ -17,14 +17,16 @@ def run(rank: int, world: int, port: int) -> None:
     from omegaconf import OmegaConf
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.config import build_config
     from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import init_distributed
+    from laconic_nemo.runtime.megatron_env import init_distributed
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "base.yaml"))
     cfg.model.update(vocab_size=40, num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256)
     cfg.parallel.update(tensor_model_parallel_size=world, backend="gloo")
     cfg.grpo.micro_batch_size = 16
+    cfg = build_config(cfg)  # the checked, typed config the entry points hand on
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
                      backend=str(cfg.parallel.backend), seed=int(cfg.run.seed))  # the entry point's part
     actor = MegatronCoreActor.from_config(cfg)
@@ -59,6 +61,6 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     mp.spawn(run, args=(world, free_port()), nprocs=world, join=True)

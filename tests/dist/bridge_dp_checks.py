@@ -22,12 +22,14 @@ N, T_LEN, TEMP = 4, 12, 0.6
 def make_config(hf_path: str):
     from omegaconf import OmegaConf
 
+    from laconic_nemo.config import build_config
+
     cfg = OmegaConf.load(ROOT / "recipes" / "base.yaml")
     cfg.model.update(source="hf", path=hf_path, precision="fp32")
     cfg.parallel.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, backend="gloo")
     cfg.optim.update(lr=1e-3, grad_clip=0.0, warmup_steps=0)  # no clipping: the raw gradient is compared
     cfg.grpo.update(kl_beta=0.0, micro_batch_size=1, clip_eps=0.2, clip_eps_high=0.28, micro_batch_tokens=T_LEN)
-    return cfg
+    return build_config(cfg)  # the checked, typed config the entry points hand on
 
 
 def reference_logprobs(hf64, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -65,7 +67,7 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(hf_path)
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
@@ -114,6 +116,6 @@ def run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 def launch(hf_path: str, out: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     mp.spawn(run, args=(world, free_port(), hf_path, out), nprocs=world, join=True)

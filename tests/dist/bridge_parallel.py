@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bridge_common import hf_checkpoint_tensors, tiny_hf_model  # this file's folder: sys.path[0] under torchrun
 
 from laconic_nemo.bridge import arch_from_hf_config, export_hf_state_dict, load_hf_state_dict, model_provider
-from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
 FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "llama"]
 ATOL = 2e-5

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -58,7 +60,7 @@ def te_shaped_spec(arch: ModelArch, attention: str = "sdpa"):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from laconic_nemo.kernels import core_attention_module
+    from laconic_nemo.runtime.kernels import core_attention_module
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -118,10 +120,12 @@ def build_model(arch: ModelArch, layout: str = "local", attention: str = "sdpa",
 def full_forward_logprobs(model, vocab_size: int, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T-1] from the model's own full forward (TP 1, PP 1 or a
     gathered TP output), at ``temperature``."""
-    from reference_loop import megatron_gather
+    from megatron.core import tensor_parallel
 
     pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand(*tokens.shape)
-    logits = megatron_gather(model(tokens, pos, None))[..., :vocab_size]
+    with warnings.catch_warnings():  # megatron's gather calls torch's deprecated all_gather_into_tensor: this
+        warnings.simplefilter("ignore", FutureWarning)  # reference's warning, not the code under test's
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(tokens, pos, None))[..., :vocab_size]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
 

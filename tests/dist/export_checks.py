@@ -22,6 +22,8 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 def make_config(tp: int, pp: int, model_dir: str, run_dir: str):
     from omegaconf import OmegaConf
 
+    from laconic_nemo.config import build_config
+
     root = Path(__file__).resolve().parents[2]
     cfg = OmegaConf.load(root / "recipes" / "base.yaml")
     cfg.model.update(source="hf", path=model_dir, attention="local")
@@ -29,7 +31,7 @@ def make_config(tp: int, pp: int, model_dir: str, run_dir: str):
     cfg.optim.update(lr=1e-2, warmup_steps=0)
     cfg.grpo.update(kl_beta=0.0, micro_batch_size=N, num_prompts_per_step=1, group_size=N, minibatch_size=N)
     cfg.run.update(output_dir=run_dir, num_steps=1)
-    return cfg
+    return build_config(cfg)  # the checked, typed config the entry points hand on
 
 
 def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: str) -> None:
@@ -40,7 +42,7 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(*LAYOUTS[layout], model_dir, run_dir)
     init_distributed(int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size),
@@ -69,7 +71,7 @@ def run(rank: int, world: int, layout: str, port: int, model_dir: str, run_dir: 
 def launch(layout: str, model_dir: str, run_dir: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     port = free_port()
     mp.spawn(run, args=(world, layout, port, model_dir, run_dir), nprocs=world, join=True)

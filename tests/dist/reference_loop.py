@@ -10,23 +10,23 @@ finished rows compacted) driven by a megatron-core forward step with megatron's 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from laconic_nemo.rollout import megatron_sampler
 
 
-def megatron_gather(t: torch.Tensor) -> torch.Tensor:
-    """megatron's own TP gather of the last dimension (the reference's, independent of the engine's); its
-    deprecated torch call (all_gather_into_tensor) warns in the test harness only, so that warning is silenced here
-    and the actor's own calls stay checked (tests/dist/actor_checks.py)."""
-    import warnings
-
+def megatron_gather(last: torch.Tensor) -> torch.Tensor:
+    """megatron's own TP gather of the logits, as the actor ran it before the engine. Its torch call
+    (all_gather_into_tensor) is deprecated in torch 2.13: a FutureWarning of this reference, not of the code under
+    test (tests/test_megatron_actor.py records those), so it is not shown."""
     from megatron.core import tensor_parallel
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return tensor_parallel.gather_from_tensor_model_parallel_region(t)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(last)
 
 
 def _loop(step, broadcast, compact, prompts, sampling, sampler, stream, sync_every, device="cpu"):
@@ -42,7 +42,6 @@ def model_reference(model, vocab_size: int, prompts, sampling, sampler: str = "e
     """Today's loop on ``model`` (a GPTModel, PP 1) with an ``InferenceParams`` cache. causal_mask: hand the
     prefill its causal mask (True = masked, the values of megatron's ``get_default_causal_mask``) instead of
     letting megatron's local attention build it on ``device="cuda"`` (a process without the CPU patches)."""
-    from megatron.core import tensor_parallel
     from megatron.core.inference_params import InferenceParams
 
     max_len = max(len(p) for p in prompts) + int(sampling.max_new_tokens)
@@ -78,7 +77,7 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
     """Today's loop on a MegatronCoreActor (any TP / PP): the forward step the actor's ``generate`` ran before
     the decode engine (megatron's schedule over one micro-batch with an ``InferenceParams`` cache; logits
     gathered over TP on the last stage; tokens broadcast from its TP rank 0, then over the pipeline)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.inference_params import InferenceParams
 
     max_len = max(len(p) for p in prompts) + int(sampling.max_new_tokens)

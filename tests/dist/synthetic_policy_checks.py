@@ -31,22 +31,20 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
-
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.task import build_task
     from laconic_nemo.app.warmup import warm_up
     from laconic_nemo.grpo.interfaces import TrainBatch
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.grpo.trainer import GRPOTrainer
-    from laconic_nemo.megatron_env import destroy_distributed, init_distributed
+    from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     cfg = make_config(run_dir)
     info = init_distributed(2, 1, backend="gloo", seed=int(cfg.run.seed))
     task = build_task(cfg)
     encode, decode, eos_id, pad_id, vocab = task.encode, task.decode, task.eos_id, task.pad_id, task.vocab_size
     prompts, reward_fn, warmup_example = task.prompts, task.reward_fn, task.warmup_example
-    OmegaConf.update(cfg, "model.vocab_size", vocab)
+    cfg.model.vocab_size = vocab
     actor = MegatronCoreActor.from_config(cfg)
     assert warm_up(cfg, actor, warmup_example, pad_id, info.rank, log=lambda s: None)
     g = torch.Generator().manual_seed(5)
@@ -70,7 +68,7 @@ def run(rank: int, world: int, port: int, run_dir: str) -> None:
 def launch(run_dir: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
 
-    from laconic_nemo.megatron_env import free_port
+    from laconic_nemo.runtime.megatron_env import free_port
 
     mp.spawn(run, args=(world, free_port(), run_dir), nprocs=world, join=True)
 

@@ -6,7 +6,7 @@ RUN_DIR_OR_CHECKPOINT is a run directory (``run.output_dir``: the complete check
 continue from, :func:`laconic_nemo.grpo.resume.find_checkpoint`),
 its ``checkpoints`` folder, or one ``checkpoints/step_XXXXXX`` folder. The per-rank shards
 ``model_tpXX_ppYY.pt`` are merged offline in this one process (no torch.distributed): TP shards are
-concatenated and pipeline stages renumbered by :func:`laconic_nemo.actors.megatron_core.merge_rank_states`
+concatenated and pipeline stages renumbered by :func:`laconic_nemo.actors.megatron_shards.merge_rank_states`
 (the actor's own unsharding rules), then the bridge maps the unsharded megatron tensors to Hugging Face
 names (:func:`laconic_nemo.bridge.mapping.full_to_hf`: fused QKV and gate/up split, vocabulary padding
 dropped). ``config.json`` and the tokenizer files come from the run's ``model.path`` (or ``--hf-config``).
@@ -111,7 +111,7 @@ def _hf_source(cfg: dict[str, Any], ckpt: Path, hf_config: str | None) -> str:
 def export_hf(src: str | Path, out_dir: str | Path, hf_config: str | None = None) -> Path:
     """Write the policy of checkpoint/run ``src`` as a Hugging Face folder ``out_dir``; returns the checkpoint
     folder read. Tensors keep the dtype they were trained in."""
-    from laconic_nemo.actors.megatron_core import global_param_name, merge_rank_states
+    from laconic_nemo.actors.megatron_shards import global_param_name, merge_rank_states
     from laconic_nemo.bridge import arch_from_hf_config, save_safetensors_dir
     from laconic_nemo.bridge.mapping import SPLIT_DIM, weight_map
 

@@ -1,37 +1,20 @@
-"""`laconic-nemo plan RECIPE --nodes N --gpus-per-node G [key=value ...]`: a dry run of a cluster launch.
+"""The layout of a launch: whether a recipe fits ``nodes`` x ``gpus_per_node`` GPUs (:func:`plan_layout`).
 
-Loads and validates the recipe (``laconic_nemo.config``), then checks that it fits the cluster
-layout: world size = nodes x GPUs per node divisible by TP x PP, groups of G responses whole on
-each data-parallel rank, the global rollout batch divisible into optimiser minibatches and those
-into DP x micro-batches, attention heads divisible by TP, layers by PP, L_max inside the context
-window, and the checkpoint / data paths present (or created by the conversion step). When the HF
-folder is readable here, :func:`check_model_folder` also checks what the conversion and NeMo's sampler
-need: a folder NeMo's Qwen2 converter can read (the missing file named) and a tokenizer whose end
-strings are single tokens. Nothing is allocated: no torch.distributed, no model, no GPU. It prints the resolved layout and the exact
-commands a launch (``launch/submit.sh``) runs. A bad layout or key exits with code 2 and a
-message naming the key.
-
-The command lines come from :func:`render_commands`; ``launch/submit.sh`` builds the same lines in
-bash (``tests/test_launch.py`` checks that the two agree).
+World size = nodes x GPUs per node divisible by TP x PP, groups of G responses whole on each data-parallel rank,
+the global rollout batch divisible into optimiser minibatches and those into DP x micro-batches, attention heads
+divisible by TP, layers by PP, L_max inside the context window, which data goes with which model, the data and
+checkpoint paths present (or created by the conversion step), the decode engine's KV cache within the GPU's
+memory and the training memory of the megatron-core actor. Nothing is allocated: no torch.distributed, no
+model, no GPU. A bad layout or key raises :class:`~laconic_nemo.config.LayoutError` naming the key.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shlex
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from laconic_nemo.config import ConfigError, LayoutError, check_layout, load_config
-
-# Defaults shared with launch/submit.sh (environment variables of the same name override both).
-DEFAULT_CONTAINER = "/lustre/containers/laconic-nemo-25.02.sqsh"
-DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
+from laconic_nemo.config import Config, LayoutError, check_layout
 
 
 @dataclass
@@ -85,7 +68,7 @@ def _invalid(key: str, value, allowed: str) -> None:
     raise LayoutError(f"{key} = {value!r} is invalid: allowed {allowed}")
 
 
-def _hf_config(path: str | None) -> dict | None:
+def hf_config(path: str | None) -> dict | None:
     """The HF ``config.json`` next to (or inside) ``path`` when it is here, else None. A ``config.json`` that is
     not a JSON object raises LayoutError naming the file and the line."""
     if not path:
@@ -111,7 +94,7 @@ def _hf_config(path: str | None) -> dict | None:
     return None
 
 
-def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
+def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
                 check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0) -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
 
@@ -144,7 +127,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
 
     m = cfg.model
-    hf = _hf_config(hf_model if m.source == "nemo" else m.path)
+    hf = hf_config(hf_model if m.source == "nemo" else m.path)
     heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
     layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
     kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else m.num_query_groups
@@ -248,7 +231,7 @@ def plan_layout(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "
     )
 
 
-def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
+def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
                    samples_per_rank: int, max_positions: int):
     """The decode engine's KV cache on one GPU (:class:`laconic_nemo.rollout.kv_cache.KVCacheShape`): rows
     ``rollout.kv_cache_rows`` (null: the responses per DP rank), positions ``rollout.max_prompt_length +
@@ -264,7 +247,7 @@ def kv_cache_shape(cfg: DictConfig, layers_per_stage: int, kv_heads_per_rank: in
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
 
 
-def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
+def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
     """The megatron-core actor's training memory on one H100 80 GB by :mod:`laconic_nemo.actors.memory`: the
     activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single row up to L_max;
     unpacked: micro_batch_size rows of L_max) and the recompute setting that fits (``grpo.recompute_layers``:
@@ -300,7 +283,7 @@ def training_memory(cfg: DictConfig, hf: dict | None, tp: int, pp: int, micro_ba
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
 
 
-def _synthetic_context(cfg: DictConfig, max_pos: int) -> None:
+def _synthetic_context(cfg: Config, max_pos: int) -> None:
     """The synthetic task's longest prompt + L_max, and its longest warm-up example, fit the context window
     (laconic_nemo.data.synthetic: prompt ``Q:`` + 2 tokens per term + newline; a worked answer 5 tokens per
     term + 9, after up to max_filler 5-token filler phrases, + EOS)."""
@@ -318,200 +301,3 @@ def _synthetic_context(cfg: DictConfig, max_pos: int) -> None:
                   f"max_filler <= {(max_pos - prompt - 5 * int(syn.max_terms) - 10) // 5}")
 
 
-def check_model_folder(cfg: DictConfig, hf_model: str | None, nemo_overrides: list[str] = ()) -> dict:
-    """Check the HF folder of a launch when it exists here (``--hf-model`` for ``model.source: nemo``,
-    ``model.path`` for ``hf``): a folder to convert must suit NeMo's Qwen2 converter, the tokenizer must
-    load, and for the NeMo sampler every end string must be a single token (built from the tokenizer, or
-    the ``nemo.model.reinforce.sampling_params.end_strings`` override). Returns {"tokenizer", "end_strings",
-    "loaded"} (the folder, the end strings and the loaded tokenizer object, for :func:`build_step_one` to reuse;
-    None values when no folder is readable); raises LayoutError naming the file or the string."""
-    from omegaconf import OmegaConf
-
-    from laconic_nemo.app.nemo_entry import END_STRINGS_KEY, end_strings_override
-    from laconic_nemo.tokenizer_checks import (
-        EndStringError,
-        check_converter_folder,
-        hf_text_to_ids,
-        load_hf_tokenizer,
-        resolve_end_strings,
-    )
-
-    m = cfg.model
-    folder = hf_model if m.source == "nemo" else (str(m.path) if m.source == "hf" else None)
-    if not folder or not Path(folder).is_dir():
-        return {"tokenizer": None, "end_strings": None, "loaded": None}
-    if m.source == "nemo" and not Path(str(m.path)).exists():
-        try:
-            check_converter_folder(folder)
-        except (OSError, ValueError) as exc:
-            raise LayoutError(f"--hf-model {folder} cannot be converted to model.path: {exc}") from exc
-    try:
-        tok = load_hf_tokenizer(folder)
-    except Exception as exc:  # transformers raises several types
-        raise LayoutError(f"the tokenizer of {folder} does not load ({type(exc).__name__}: {exc})") from exc
-    if tok.eos_token is None:
-        raise LayoutError(f"the tokenizer of {folder} has no eos_token ({Path(folder) / 'tokenizer_config.json'})")
-    ends = None
-    if m.source == "nemo":
-        requested = None
-        if end_strings_override(list(nemo_overrides)):
-            node = OmegaConf.select(OmegaConf.from_dotlist(list(nemo_overrides)), END_STRINGS_KEY)
-            requested = [str(x) for x in (node if node is not None else [])]
-        try:
-            ends = resolve_end_strings(hf_text_to_ids(tok), requested)
-        except EndStringError as exc:
-            raise LayoutError(f"nemo.{END_STRINGS_KEY}: {exc} (tokenizer {folder})") from exc
-    return {"tokenizer": str(folder), "end_strings": ends, "loaded": tok}
-
-
-def default_mounts() -> str:
-    """Container mounts as launch/submit.sh derives them from DATA_DIR, CKPT_DIR, RESULTS_DIR, REPO_DIR."""
-    repo = os.environ.get("REPO_DIR", str(Path(__file__).resolve().parent.parent))
-    return ",".join([
-        f"{os.environ.get('DATA_DIR', '/lustre/data')}:/data",
-        f"{os.environ.get('CKPT_DIR', '/lustre/checkpoints')}:/checkpoints",
-        f"{os.environ.get('RESULTS_DIR', '/lustre/results')}:/results",
-        f"{repo}:{DEFAULT_REPO_IN_CONTAINER}",
-    ])
-
-
-def srun_prefix(nodes: int, ntasks_per_node: int, container: str, mounts: str, gpus_per_node: int | None = None) -> str:
-    """The pyxis srun prefix, flag for flag as launch/submit.sh writes it (minus its --output/--label).
-    ``container="none"``: launch/submit.sh's container-less mode, the same line without the --container-* flags."""
-    parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}"]
-    if gpus_per_node is not None:
-        parts.append(f"--gpus-per-node={gpus_per_node}")
-    if container != "none":
-        parts += [f"--container-image={container}", f"--container-mounts={mounts}", "--no-container-mount-home",
-                  f"--container-workdir={DEFAULT_REPO_IN_CONTAINER}"]
-    parts.append("--export=ALL")
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-def render_commands(plan: Plan, cfg: DictConfig, recipe: str, overrides: list[str], container: str, mounts: str,
-                    hf_model: str | None = None) -> list[str]:
-    """The srun lines a launch runs, in order: plan (validation in the container), prepare (HF -> .nemo
-    conversion, skipped inside when model.path exists), train (one task per GPU)."""
-    ov = "".join(f" {shlex.quote(o)}" for o in overrides)
-    q = shlex.quote
-    hf = f" --hf-model={q(hf_model)}" if hf_model else ""
-    cmds = [f"{srun_prefix(1, 1, container, mounts)} python -m laconic_nemo plan {q(recipe)} "
-            f"--nodes={plan.nodes} --gpus-per-node={plan.gpus_per_node}{hf}{ov}"]
-    if hf_model:
-        cmds.append(f"{srun_prefix(1, 1, container, mounts, 1)} python -m laconic_nemo.nemo_entry --prepare"
-                    f"{hf} {q(recipe)}{ov}")
-    cmds.append(f"{srun_prefix(plan.nodes, plan.gpus_per_node, container, mounts, plan.gpus_per_node)} "
-                f"bash launch/torch_env.sh python -m laconic_nemo.nemo_entry {q(recipe)}{ov}")
-    return cmds
-
-
-def format_plan(plan: Plan, cmds: list[str]) -> str:
-    lines = [
-        f"recipe           {plan.recipe}",
-        f"actor            {plan.actor}",
-        f"world            {plan.world_size} GPUs = {plan.nodes} nodes x {plan.gpus_per_node}",
-        f"layout           TP {plan.tp} x PP {plan.pp} x DP {plan.dp}",
-        f"rollout batch    {plan.num_prompts_per_step} prompts x G {plan.group_size} = {plan.rollout_batch} responses",
-        f"per DP rank      {plan.prompts_per_rank} prompts, {plan.samples_per_rank} responses",
-        f"minibatch        {plan.minibatch_size} responses ({plan.steps_per_rollout} optimiser steps per rollout)",
-        f"micro-batch      {plan.micro_batch_size} responses per rank, {plan.micro_batches_per_step} per optimiser "
-        "step (gradient accumulation)",
-        f"tokens per step  <= {plan.max_generated_tokens_per_step} generated (L_max {plan.max_new_tokens}); "
-        f"{plan.budget_tokens_per_step} at the budget B {plan.budget:g}",
-        f"steps            {plan.num_steps}",
-        f"rollout engine   {ROLLOUT_ENGINES.get(plan.rollout_engine, plan.rollout_engine)}",
-    ]
-    if plan.kv_cache:
-        lines.append(f"KV cache         {plan.kv_cache} per GPU, allocated once (rollout.kv_cache_rows, "
-                     "max_prompt_length + max_new_tokens)")
-    if plan.tokenizer:
-        lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
-                                                              else ""))
-    if plan.training_memory:
-        lines.append(f"train memory     {plan.training_memory}")
-    lines += [f"warning          {w}" for w in plan.warnings]
-    lines.append("commands:")
-    lines += [f"  {c}" for c in cmds]
-    return "\n".join(lines)
-
-
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets options and key=value overrides come in any order after the recipe."""
-
-    _busy = False
-
-    def parse_known_args(self, args=None, namespace=None):
-        if self._busy:
-            return super().parse_known_args(args, namespace)
-        self._busy = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._busy = False
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML (e.g. recipes/deepseek_1.5b_b1500.yaml)")
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--hf-model", default=os.environ.get("HF_MODEL") or None,
-                   help="HF checkpoint converted to model.path when the .nemo is missing (env HF_MODEL)")
-    p.add_argument("--container", default=os.environ.get("CONTAINER", DEFAULT_CONTAINER),
-                   help="container image (env CONTAINER); none: no pyxis, as launch/submit.sh with CONTAINER=none")
-    p.add_argument("--mounts", default=os.environ.get("MOUNTS") or default_mounts(),
-                   help="pyxis container mounts (env MOUNTS; default derived as in launch/submit.sh)")
-    p.add_argument("--skip-path-checks", action="store_true",
-                   help="do not check that data and checkpoint paths exist (planning away from the cluster)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                   help="memory of one GPU (default 80, an H100): the KV cache must fit "
-                        "rollout.kv_cache_memory_fraction of it")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="validate a recipe for a cluster layout and print the launch commands",
-                              description=__doc__.split("\n\n")[0])
-    p.__class__ = _IntermixedParser
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from laconic_nemo.app.nemo_entry import split_overrides
-    from laconic_nemo.preflight import check_recipe
-
-    recipe_ov, nemo_ov = split_overrides(list(args.overrides))  # nemo.* keys go to the NeMo config
-    try:
-        cfg = load_config(args.recipe, recipe_ov)
-        # the pre-flight `train` runs too (laconic_nemo.preflight): plan refuses what train would refuse
-        plan, built = check_recipe(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
-                                   nemo_overrides=nemo_ov, check_paths=not args.skip_path_checks,
-                                   gpu_memory_gib=args.gpu_memory_gib)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"laconic-nemo plan: {exc}", file=sys.stderr)
-        return 2
-    cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), args.container, args.mounts, args.hf_model)
-    if args.json:
-        print(json.dumps({**asdict(plan), "build": asdict(built), "commands": cmds}, indent=1))
-    else:
-        print(format_plan(plan, cmds))
-        print(format_build(built))
-    return 0
-
-
-def format_build(b) -> str:
-    """The build section of the plan printout (see :class:`laconic_nemo.grpo.build.StepOneBuild`)."""
-    dual = "no dual step" if b.dual is None else ", ".join(f"{k} {v}" for k, v in b.dual.items())
-    lines = [
-        "built (CPU, as before step 1):",
-        f"  shaper         {b.shaper}, lambda_init {b.lambda_init:g}, {dual}, count_eos {b.count_eos}",
-        f"  advantages     {', '.join(f'{k} {v}' for k, v in b.advantages.items())}",
-        f"  loss           {', '.join(f'{k} {v}' for k, v in b.loss.items())}",
-        f"  reward         {b.reward}",
-        f"  template       {b.prompt_template}",
-        f"  tokenizer      {b.tokenizer or '(path not here: not loaded)'}",
-    ]
-    if b.prompt_preview is not None:
-        lines.append(f"  first prompt   {b.prompt_preview!r}")
-    return "\n".join(lines)

@@ -3,11 +3,11 @@
 ``laconic-nemo plan`` and ``laconic-nemo train`` run the same checks of a recipe, :func:`check_recipe`
 (``plan`` for the cluster layout it is given, ``train`` for this machine's): the typed config (keys,
 types, every field's range and the rules across keys, :mod:`laconic_nemo.config`), the layout
-(:func:`laconic_nemo.launch_plan.plan_layout`: heads / layers vs TP / PP, batch divisibility, the
+(:func:`laconic_nemo.plan.layout.plan_layout`: heads / layers vs TP / PP, batch divisibility, the
 context window, which data goes with which model), model and data paths, every row of every data file,
 the checkpoint folder's tokenizer, every prompt's length in its tokens (room for rollout.max_new_tokens
 in the context), and what the trainer builds before step 1 without a GPU
-(:func:`laconic_nemo.grpo.build.build_step_one`). So ``plan`` refuses what ``train`` would refuse.
+(:func:`laconic_nemo.plan.step_one.build_step_one`). So ``plan`` refuses what ``train`` would refuse.
 
 ``train`` calls :func:`preflight_train` in the launcher (or, under torchrun / srun, in every rank
 before torch.distributed starts), which adds what only a training run on this machine needs:
@@ -39,9 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from laconic_nemo.config import ConfigError, base_config_path
+from laconic_nemo.config import Config, ConfigError, defaults, to_dict
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
@@ -55,15 +53,16 @@ from laconic_nemo.grpo.resume import (
 PREFLIGHT_DONE_ENV = "LACONIC_PREFLIGHT_DONE"
 
 
-def check_recipe(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
+def check_recipe(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
                  nemo_overrides: list[str] = (), check_paths: bool = True, cluster: bool = True,
                  gpu_memory_gib: float = 80.0) -> tuple[Any, Any]:
     """The checks ``plan`` and ``train`` share (module docstring); returns (Plan, StepOneBuild).
 
     cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine. gpu_memory_gib: one GPU's
     memory (the decode engine's KV cache must fit; ``plan --gpu-memory-gib``). Raises ConfigError."""
-    from laconic_nemo.grpo.build import build_step_one
-    from laconic_nemo.launch_plan import check_model_folder, plan_layout
+    from laconic_nemo.plan.layout import plan_layout
+    from laconic_nemo.plan.model_folder import check_model_folder
+    from laconic_nemo.plan.step_one import build_step_one
 
     try:
         plan = plan_layout(cfg, nodes, gpus_per_node, recipe=recipe, hf_model=hf_model, check_paths=check_paths,
@@ -85,18 +84,18 @@ def check_recipe(cfg: DictConfig, nodes: int, gpus_per_node: int, recipe: str = 
     return plan, built
 
 
-def _check_prompts(cfg: DictConfig, tok: Any, folder: str) -> None:
+def _check_prompts(cfg: Config, tok: Any, folder: str) -> None:
     """Every data row's prompt, tokenised as the trainer does, leaves room for rollout.max_new_tokens."""
     from laconic_nemo.data.datasets import check_prompt_lengths, load_math_prompts
-    from laconic_nemo.launch_plan import _hf_config
+    from laconic_nemo.plan.layout import hf_config
 
     items = load_math_prompts([str(f) for f in cfg.data.train_files], str(cfg.data.prompt_template))
-    context = int((_hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))
+    context = int((hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))
     check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
                          int(cfg.rollout.max_new_tokens))
 
 
-def check_host(cfg: DictConfig, local_ranks: int) -> None:
+def check_host(cfg: Config, local_ranks: int) -> None:
     """This machine can run ``local_ranks`` ranks of ``cfg`` with the megatron-core actor."""
     if cfg.model.source == "nemo":
         raise ConfigError("model.source = 'nemo' is invalid for laconic-nemo train (the megatron-core actor): allowed "
@@ -142,7 +141,7 @@ def check_writable_dir(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key} = {str(path)!r} is invalid: cannot write in {probe} ({exc.strerror})") from exc
 
 
-def output_names(cfg: DictConfig) -> dict[str, str]:
+def output_names(cfg: Config) -> dict[str, str]:
     """What the run writes under ``run.output_dir``: name -> "file" or "folder"."""
     names = {"metrics.jsonl": "file", "config.yaml": "file", "run.lock": "file", "checkpoints": "folder",
              "checkpoints/latest": "file"}
@@ -157,7 +156,7 @@ def output_names(cfg: DictConfig) -> dict[str, str]:
     return names
 
 
-def check_output_names(cfg: DictConfig) -> None:
+def check_output_names(cfg: Config) -> None:
     """No name the run writes in ``run.output_dir`` is taken by something of the other kind."""
     out = Path(str(cfg.run.output_dir))
     for name, kind in output_names(cfg).items():
@@ -170,7 +169,7 @@ def check_output_names(cfg: DictConfig) -> None:
                               f"there; move it aside or choose another run.output_dir")
 
 
-def check_resume(cfg: DictConfig, world_size: int, notes: list[str] | None = None) -> Path | None:
+def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -> Path | None:
     """Resume checks (see the module docstring). Returns the checkpoint to resume from, or None.
     ``notes`` receives a line per damaged checkpoint skipped."""
     ckpt = resume_source(cfg, notes)
@@ -185,17 +184,17 @@ def check_resume(cfg: DictConfig, world_size: int, notes: list[str] | None = Non
                               f"run has {world_size}; resume with --nprocs {state['world_size']} (the same layout)")
         saved = state.get("config", {}).get("parallel", {})
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if key in saved and int(saved[key]) != int(cfg.parallel[key]):
-                raise ConfigError(f"parallel.{key} = {cfg.parallel[key]} is invalid for resuming {ckpt}: allowed "
+            if key in saved and int(saved[key]) != getattr(cfg.parallel, key):
+                raise ConfigError(f"parallel.{key} = {getattr(cfg.parallel, key)} is invalid for resuming {ckpt}: allowed "
                                   f"{saved[key]}, the checkpoint's (its model shards are split for that layout; "
                                   "checkpoint.resume_allow_changes cannot change it)")
         tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
         if "dp_size" in state and int(state["dp_size"]) != world_size // (tp * pp):
             raise ConfigError(f"cannot resume from {ckpt}: it was written with DP {state['dp_size']} and this run has "
                               f"DP {world_size // (tp * pp)}; resume with the checkpoint's layout")
-        check_resume_config(ckpt, state.get("config", {}), OmegaConf.to_container(cfg, resolve=True),
+        check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
                             list(cfg.checkpoint.resume_allow_changes or []),
-                            OmegaConf.to_container(OmegaConf.load(base_config_path()), resolve=False))
+                            defaults())
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "
@@ -206,7 +205,7 @@ def check_resume(cfg: DictConfig, world_size: int, notes: list[str] | None = Non
     return ckpt
 
 
-def preflight_train(cfg: DictConfig, world_size: int, local_world_size: int | None = None) -> Path | None:
+def preflight_train(cfg: Config, world_size: int, local_world_size: int | None = None) -> Path | None:
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
     from laconic_nemo.grpo.metrics import check_sinks, tensorboard_available

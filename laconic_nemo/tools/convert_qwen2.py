@@ -1,6 +1,6 @@
 """Run NeMo's Qwen2 HF -> .nemo converter on a folder that ships only ``tokenizer.json``.
 
-    python -m laconic_nemo.convert_qwen2 [--converter PATH] --input_name_or_path HF_DIR --output_path OUT.nemo
+    python -m laconic_nemo.tools.convert_qwen2 [--converter PATH] --input_name_or_path HF_DIR --output_path OUT.nemo
         [--precision bf16]
 
 NeMo's ``scripts/checkpoint_converters/convert_qwen2_hf_to_nemo.py`` (NeMo 2.2.x, the ``nemo:25.02``
@@ -99,11 +99,11 @@ def conversion_lock_stale(holder: dict, age_s: float, me: dict | None = None) ->
     """Why a conversion lock held by ``holder`` (its recorded identity; ``age_s``: seconds since the holder last
     refreshed it) can be taken over by ``me``, or None while its conversion may still run.
 
-    The rules of the run lock (:func:`laconic_nemo.grpo.run_lock.stale_reason`: same host and the process gone,
+    The rules of the run lock (:func:`laconic_nemo.runtime.run_lock.stale_reason`: same host and the process gone,
     or an earlier run of the same Slurm job), plus: not refreshed for ``STALE_AFTER_S`` (the holder refreshes it
     every ``HEARTBEAT_S`` while it converts), which decides for a holder on another host. An unreadable lock
     file (written by nothing of this module) counts as stale once it is that old too."""
-    from laconic_nemo.grpo.run_lock import stale_reason
+    from laconic_nemo.runtime.run_lock import stale_reason
 
     if holder:
         reason = stale_reason(holder, me)
@@ -131,7 +131,7 @@ class ConversionLock:
         self._beat: threading.Thread | None = None
 
     def acquire(self, wait_limit_s: float = WAIT_LIMIT_S, poll_s: float = 5.0) -> "ConversionLock":
-        from laconic_nemo.grpo.run_lock import identity
+        from laconic_nemo.runtime.run_lock import identity
 
         me = identity()
         private = self.path.with_name(f".{self.path.name}.{me['host']}.{me['pid']}")
@@ -223,7 +223,7 @@ def convert_to_target(target: str | Path, convert: Callable[[Path], int], log: C
         for old in scratch_folders(target):  # left by killed conversions: this one holds the lock
             log(f"prepare: removing {old} (left by an interrupted conversion)")
             shutil.rmtree(old, ignore_errors=True)
-        from laconic_nemo.grpo.run_lock import identity
+        from laconic_nemo.runtime.run_lock import identity
 
         me = identity()
         scratch = target.with_name(f".{target.name}{SCRATCH_INFIX}{me['host']}-{me['pid']}-{uuid.uuid4().hex[:8]}")
@@ -247,7 +247,7 @@ def convert_to_target(target: str | Path, convert: Callable[[Path], int], log: C
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m laconic_nemo.convert_qwen2", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m laconic_nemo.tools.convert_qwen2", description=__doc__.split("\n\n")[0])
     p.add_argument("--converter", default=QWEN2_CONVERTER, help=f"NeMo's converter script (default {QWEN2_CONVERTER})")
     args, rest = p.parse_known_args(argv)
     mod = load_converter(args.converter)

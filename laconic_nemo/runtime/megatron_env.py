@@ -289,7 +289,7 @@ def parallel_info(tp: int | None = None, pp: int | None = None) -> ParallelInfo:
 
     if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
         raise RuntimeError("torch.distributed and megatron's parallel state are not initialised: the entry point "
-                           "calls laconic_nemo.megatron_env.init_distributed(tp, pp, ...) before building the actor")
+                           "calls laconic_nemo.runtime.megatron_env.init_distributed(tp, pp, ...) before building the actor")
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if (tp is not None and tp != tp_size) or (pp is not None and pp != pp_size):

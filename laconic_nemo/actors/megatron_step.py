@@ -1,0 +1,217 @@
+"""The training step of the megatron-core actor: one optimiser step over a DP rank's minibatch.
+
+* Forward and backward go through megatron's ``get_forward_backward_func()`` schedule over micro-batches (1F1B
+  with PP > 1), packed or padded as for the log-probs (:mod:`laconic_nemo.actors.megatron_logprobs`); the loss sees
+  the unpacked rows.
+* Gradients are SUMMED over micro-batches and data-parallel ranks (:func:`laconic_nemo.actors.megatron_build.
+  wrap_model`), so a loss normalised by global counts (:mod:`laconic_nemo.grpo.loss`) yields the global
+  objective's gradient.
+* Optimiser: megatron-core's Adam, a global grad-norm clip over the model-parallel group done here, a constant
+  learning rate after a linear warmup.
+* Activation recompute (``recompute_layers``): megatron's full recompute of the first N layers of every pipeline
+  stage; None picks, at every step on a GPU, the fewest layers that let the largest micro-batch fit the device by
+  :mod:`laconic_nemo.actors.memory` (none where everything fits; none on CPU).
+
+:class:`TrainStepMixin` is a part of :class:`laconic_nemo.actors.megatron_core.MegatronCoreActor`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from laconic_nemo.actors import memory
+from laconic_nemo.grpo.interfaces import LossFn, TrainBatch
+
+
+class TrainStepMixin:
+    """:meth:`train_step`, its learning-rate schedule and optimiser control, and the activation recompute chosen for
+    it."""
+
+    def layer_shape(self) -> memory.LayerShape:
+        """The model's sizes for :mod:`laconic_nemo.actors.memory`."""
+        c = self.config
+        return memory.LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
+                                 groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+                                 ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=self.padded_vocab_size,
+                                 gated=bool(c.gated_linear_unit))
+
+    def plan_memory(self, tokens: int, seq: int, num_micro_batches: int,
+                    device_gib: float | None = None) -> memory.MemoryPlan:
+        """:func:`laconic_nemo.actors.memory.plan_memory` for this rank: its parameters, dtype, core attention
+        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``), the device's memory
+        (or ``device_gib``)."""
+        if device_gib is None:
+            device_gib = torch.cuda.get_device_properties(self.device).total_memory / memory.GIB
+        core = type(self.module.decoder.layers[0].self_attention.core_attention).__name__
+        kernel = "local" if core == "LocalAttention" else ("dense" if self.device.type != "cuda" else "flash")
+        return memory.plan_memory(
+            self.layer_shape(), tokens, device_gib, tp=self.info.tp_size, pp=self.info.pp_size,
+            dtype_bytes=torch.finfo(self.config.params_dtype).bits // 8, kernel=kernel,
+            params=sum(p.numel() for p in self.module.parameters()),
+            reference_on_device=self._ref_state is not None and self.reference_on == "device",
+            num_micro_batches=num_micro_batches, logprob_chunk=self.logprob_chunk_size, seq=seq,
+            fused_swiglu=bool(self.config.bias_activation_fusion))
+
+    def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:
+        """Layers per pipeline stage to recompute for micro-batches of ``tokens`` tokens (``recompute_setting``;
+        None: by memory on GPU, none on CPU)."""
+        per_stage = self.config.num_layers // self.info.pp_size
+        if self.recompute_setting is not None:
+            return min(self.recompute_setting, per_stage)
+        if self.device.type != "cuda":
+            return 0
+        self.memory_plan = self.plan_memory(tokens, seq, num_micro_batches)
+        chosen = self.memory_plan.recompute_layers
+        return per_stage if chosen is None else chosen
+
+    def set_recompute(self, layers: int) -> None:
+        """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""
+        self.recompute_layers = set_recompute(self.config, layers, self.config.num_layers // self.info.pp_size)
+
+    def _lr_at(self, step: int) -> float:
+        """Learning rate of optimiser step ``step`` (0-based): linear warmup over warmup_steps, then constant."""
+        if self.warmup_steps > 0 and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
+
+
+    # ------------------------------------------------------------------ optimiser control
+    def set_learning_rate(self, lr: float) -> None:
+        """Peak learning rate from the next optimiser step on (warmup schedule unchanged)."""
+        if not lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        """Drop the Adam moments and restart the schedule at step 0 with peak learning rate ``lr``."""
+        self.set_learning_rate(lr)
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in inner:
+            opt.optimizer.state.clear()
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
+        """One optimiser step on this DP rank's minibatch ``batch``; see the module docstring.
+
+        Micro-batches: packs of ``micro_batch_tokens`` tokens, whose log-probs [k, W-1] and rows reach
+        ``loss_fn`` as a padded micro-batch would (``micro_batch_size`` applies only without packing). Activation
+        recompute for this step: :meth:`_choose_recompute`.
+        Returns the loss metrics summed over micro-batches and DP ranks (loss functions report shares of
+        global means), plus ``grad_norm`` (before clipping) and ``lr``; identical on every rank.
+        """
+        n, T = batch.tokens.shape
+        mbs = min(micro_batch_size or self.micro_batch_size, n)
+        if mbs < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        temperature = float(getattr(loss_fn, "temperature", 1.0))  # log-probs at the loss's temperature
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        if self.micro_batch_tokens > 0:
+            packs = self._packs(batch)
+            self.set_recompute(self._choose_recompute(max(p.size for p in packs),
+                                                      max(p.max_seqlen for p in packs), len(packs)))
+
+            def forward_step(data_iterator, model):
+                pack = next(data_iterator)
+                labels = torch.roll(pack.tokens.to(self.device), shifts=-1, dims=1)
+                out = self._pack_forward(model, pack)
+
+                def loss_func(output):
+                    # the pack's log-probs cut back into its rows [k, W-1]: the loss sees the unpacked layout
+                    logp = pack.unpack(self.token_logprobs(output, labels, temperature)[0])
+                    loss, metrics = loss_fn(logp, pack.batch)
+                    return loss, torch.tensor(1, dtype=torch.int), metrics
+
+                return out, loss_func
+
+            store = self._schedule(forward_step, packs, max(p.size for p in packs), 1, forward_only=False)
+        else:
+            micro, _ = self._micro_batches(batch, mbs)
+            widest = max(mb.tokens.shape[1] for mb in micro)
+            self.set_recompute(self._choose_recompute(mbs * widest, widest, len(micro)))
+
+            def forward_step(data_iterator, model):
+                mb = next(data_iterator)
+                tok = mb.tokens.to(self.device)
+                labels = torch.roll(tok, shifts=-1, dims=1)
+                out = model(tok, self._position_ids(*tok.shape), None)
+
+                def loss_func(output):
+                    logp = self.token_logprobs(output, labels, temperature)[:, :-1]
+                    loss, metrics = loss_fn(logp, mb)
+                    return loss, torch.tensor(1, dtype=torch.int), metrics
+
+                return out, loss_func
+
+            store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
+        lr = self._lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = self._clip_and_step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(store)
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
+        return metrics
+
+    @torch.no_grad()
+    def _clip_and_step(self) -> float:
+        """Megatron's step, with the global grad-norm clip done here: copy main grads, norm over the
+        model-parallel group (TP duplicates counted once), scale by clip / (norm + 1e-6) when below 1, step.
+        Returns the norm before clipping."""
+        found_inf = self.optimizer.prepare_grads()
+        if found_inf:
+            raise RuntimeError("non-finite gradients: optimizer step refused")
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise RuntimeError(f"non-finite gradient norm {grad_norm}: optimizer step refused")
+        if self.grad_clip > 0:
+            coeff = self.grad_clip / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for p in self.optimizer.get_parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coeff)
+        self.optimizer.step_with_ready_grads()
+        return grad_norm
+
+    def _reduce_metrics(self, store: list[dict[str, float]]) -> dict[str, float]:
+        """Sum metric dicts over micro-batches and DP (on the last stage), then share them over PP."""
+        from megatron.core import parallel_state
+
+        payload: list[Any] = [None]
+        if self.is_last_stage:
+            keys = sorted(store[0].keys()) if store else []
+            values = torch.tensor(
+                [sum(float(d[k]) for d in store) for k in keys], dtype=torch.float64, device=self.device
+            )
+            if self.dp_size > 1 and keys:
+                dist.all_reduce(values, group=self.dp_group)
+            payload = [dict(zip(keys, values.tolist()))]
+        if self.info.pp_size > 1:
+            dist.broadcast_object_list(
+                payload,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return dict(payload[0])
+
+
+def set_recompute(config: Any, layers: int, layers_per_stage: int) -> int:
+    """Full activation recompute of the first ``layers`` layers of every pipeline stage on megatron's
+    TransformerConfig (its TransformerBlock reads these fields at every forward, ``transformer_block.py:358-391``):
+    0 = none; all of the stage's layers = the ``uniform`` method, one layer per checkpoint; fewer = the ``block``
+    method. Returns the number of layers recomputed per stage."""
+    n = max(0, min(int(layers), layers_per_stage))
+    if n == 0:
+        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
+    elif n == layers_per_stage:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+    else:
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "block", n
+    return n

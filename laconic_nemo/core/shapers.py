@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from laconic_nemo.core.constraints import per_prompt_cost64
 from laconic_nemo.core.costs import clipped_cost64, float_dtype_of, lagrangian_reward, length_penalty, linear_cost64
 from laconic_nemo.core.dual import DualController
 
@@ -67,7 +68,9 @@ def constant_lambda(settings: Any) -> float:
 
 def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: float, *,
           max_length: float | None = None, truncated: torch.Tensor | None = None,
-          targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+          targets: torch.Tensor | None = None, budgets: torch.Tensor | None = None,
+          lams: torch.Tensor | None = None, tail_penalty: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, dict[str, float]]:
     """Shape one rollout batch with the shaper ``settings.shaper`` and its settings.
 
     Args:
@@ -78,6 +81,10 @@ def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: floa
         max_length: L_max; ``truncated=None`` reads as ``L >= max_length`` (all False without it).
         truncated: [P, G] bool, True where the response hit L_max.
         targets: [P, G] per-sample target lengths n_gold (l1_exact / l1_max only).
+        budgets: [P, G] per-prompt budgets B_i (laconic / linear with ``laconic.per_prompt_budget``): the cost is
+            ``(L_i - B_i) / B_i`` (clipped at 0 for laconic) and the multiplier of response i is ``lams[i]``.
+        lams: [P, G] float64, each response's class multiplier lambda_k(i) (with ``budgets``).
+        tail_penalty: [P, G] float64 ``mu 1[L > B_tail]`` subtracted from the shaped reward (tail constraint).
 
     Returns:
         shaped rewards [P, G] (rewards' float dtype) and Python-float metrics (:func:`shaping_metrics` plus the
@@ -100,7 +107,18 @@ def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: floa
     if fn.needs_targets and targets is None:
         raise ValueError(f"shaper {settings.shaper!r} needs per-sample target lengths (targets [P, G], n_gold)")
     t64 = None if targets is None else torch.as_tensor(targets).to(torch.float64)
-    shaped64, extra = fn(r64, L64, truncated, t64, lam, settings, max_length)
+    if budgets is None:
+        shaped64, extra = fn(r64, L64, truncated, t64, lam, settings, max_length)
+    else:
+        if fn.lam != "dual" or lams is None or budgets.shape != r.shape or lams.shape != r.shape:
+            raise ValueError(f"per-prompt budgets need an adaptive shaper (laconic, linear) and budgets and "
+                             f"multipliers of shape {tuple(r.shape)}; got shaper {settings.shaper!r}")
+        cost = per_prompt_cost64(L64, budgets.to(torch.float64), linear=fn.cost is linear_cost64)
+        shaped64, extra = _lagrangian(r64, cost, lams.to(torch.float64), truncated, settings)
+        extra["mean_cost_per_prompt"] = float(cost.mean())
+    if tail_penalty is not None:
+        shaped64 = shaped64 - tail_penalty.to(torch.float64)
+        extra["mean_tail_penalty"] = float(tail_penalty.to(torch.float64).mean())
     metrics = shaping_metrics(r64, L64, truncated, shaped64, lam, settings.budget, fn.cost)
     metrics.update(extra)
     return shaped64.to(float_dtype_of(r)), metrics

@@ -1,0 +1,289 @@
+"""Constraints beyond the mean length: a reasoning-only length, per-prompt budgets with one multiplier per budget
+class, and a tail constraint on the share of long responses, each with its own dual variable (docs/algorithm.md,
+"Constraints beyond the mean").
+
+A constraint is (what it measures per response, the reward term it subtracts, a dual variable with its own eta /
+ceiling / floor, the global statistic its dual step reads):
+
+- **reasoning-only length** (:func:`reasoning_lengths`): L is the number of response tokens before the first
+  occurrence of the end-of-reasoning marker's token sequence; a response that never closes its reasoning is
+  charged in full. It replaces L everywhere L is used (every shaper, the dual step).
+- **budget classes** (:class:`BudgetClasses`): response i is priced against its prompt's budget B_i,
+  ``c_i = max((L_i - B_i) / B_i, 0)``, and ``l_i = r_i - lambda_{k(i)} c_i`` with k(i) the class of B_i. The dual
+  step of class k reads the class's global length ratio ``rho_k = (1 / n_k) sum_{i in k} L_i / B_i``
+  (``mean_L / B_k`` when the class has one budget): ``lambda_k <- clip(lambda_k + eta (rho_k - 1), floor,
+  Lambda_k)``. A class with no response in a batch keeps its multiplier.
+- **tail** (:class:`TailConstraint`): the share of responses longer than B_tail at most q. Reward term
+  ``- mu 1[L_i > B_tail]``; dual step ``mu <- clip(mu + eta_tail (s / q - 1), 0, M)`` with s the global share.
+
+Every statistic a dual step reads comes from integer counts all-reduced over the data-parallel group (the sum of
+L per distinct budget, the responses per distinct budget, the responses in the tail), combined in a fixed order in
+Python floats, so every rank (and every layout: DP 2 gives what DP 1 gives) computes the same multipliers bit for
+bit. The counts of one rank are :func:`local_counts` ([2 D + 2] int64: sums and counts per distinct budget, tail
+count, responses); :func:`class_ratios` and :func:`tail_share` read the all-reduced vector.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from laconic_nemo.core.dual import DualController
+
+__all__ = ["BudgetClasses", "TailConstraint", "class_name", "find_marker", "local_counts", "per_prompt_cost64",
+           "reasoning_lengths"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# reasoning-only length
+# ------------------------------------------------------------------------------------------------------------------
+def find_marker(response: Sequence[int], marker: Sequence[int]) -> int:
+    """The index of the first occurrence of the token sequence ``marker`` in ``response``, or -1."""
+    m, n = len(marker), len(response)
+    if m == 0:
+        raise ValueError("the end-of-reasoning marker encodes to no token")
+    first = marker[0]
+    for i in range(n - m + 1):
+        if response[i] == first and list(response[i:i + m]) == list(marker):
+            return i
+    return -1
+
+
+def reasoning_lengths(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+                      marker: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reasoning span's length of each response: its tokens before the first ``marker`` sequence.
+
+    A response without the marker is charged in full (its whole length). The marker's own tokens and the answer
+    after them are not counted.
+
+    Args:
+        tokens: [N, T] int, prompt then response (then padding) per row.
+        prompt_lengths: [N] int. response_lengths: [N] int, the response's tokens (EOS excluded) to search.
+        marker: the marker's token ids (non-empty).
+
+    Returns:
+        (L_reason [N] int64, closed [N] bool: True where the marker was found).
+    """
+    marker = [int(t) for t in marker]
+    rows = tokens.tolist()
+    out, closed = [], []
+    for row, p, r in zip(rows, prompt_lengths.tolist(), response_lengths.tolist()):
+        at = find_marker(row[p:p + r], marker)
+        out.append(r if at < 0 else at)
+        closed.append(at >= 0)
+    return torch.tensor(out, dtype=torch.long), torch.tensor(closed, dtype=torch.bool)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# per-prompt budgets and their classes
+# ------------------------------------------------------------------------------------------------------------------
+def per_prompt_cost64(lengths64: torch.Tensor, budgets64: torch.Tensor, linear: bool = False) -> torch.Tensor:
+    """``c_i = max((L_i - B_i) / B_i, 0)`` (``linear``: without the clip), elementwise in float64 ([...] shapes)."""
+    c = (lengths64 - budgets64) / budgets64
+    return c if linear else c.clamp_min(0.0)
+
+
+def class_name(lo: float, hi: float | None = None) -> str:
+    """The metric suffix of a class: its budget (``500``), or its bin ``[lo, hi)`` (``500-1000``)."""
+    def num(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+    return num(lo) if hi is None else f"{num(lo)}-{num(hi)}"
+
+
+class BudgetClasses:
+    """The budget classes of a run and one multiplier lambda_k per class.
+
+    Args:
+        budgets: every budget a prompt of the run can have (the dataset's B_i, the stated targets), each a
+            finite number > 0; the distinct ones, sorted, are the key space of the all-reduced counts.
+        edges: bin edges ``e_0 < e_1 < ... < e_K`` (K classes ``[e_k, e_{k+1})``, the last one closed), or None:
+            one class per distinct budget. Every budget must fall in a bin and every bin must hold a budget.
+        eta, floor, lambda_init, ceiling, controller, kp, kd: the settings of every class's controller (as
+            lambda's); ceiling None: ``Lambda_k = b / (L_max - b)`` with b the class's smallest budget (the
+            paper's ceiling for the largest cost of the class), which needs L_max > b.
+        max_length: L_max.
+    """
+
+    def __init__(self, budgets: Sequence[float], edges: Sequence[float] | None, *, eta: float, floor: float = 0.0,
+                 lambda_init: float = 0.0, ceiling: float | None = None, max_length: float | None = None,
+                 controller: str = "integral", kp: float = 0.0, kd: float = 0.0):
+        values = sorted({float(b) for b in budgets})
+        if not values:
+            raise ValueError("per-prompt budgets: no budget given")
+        for b in values:
+            if not (math.isfinite(b) and b > 0):
+                raise ValueError(f"per-prompt budgets must be finite numbers > 0, got {b!r}")
+        self.budgets = values                              # the D distinct budgets, sorted
+        self.edges = None if edges is None else [float(e) for e in edges]
+        if self.edges is None:
+            members = [[j] for j in range(len(values))]
+            self.names = [class_name(b) for b in values]
+        else:
+            e = self.edges
+            if len(e) < 2 or any(not (a < b) for a, b in zip(e, e[1:])):
+                raise ValueError(f"budget_classes must be at least two strictly increasing bin edges, got {e}")
+            members = [[] for _ in range(len(e) - 1)]
+            for j, b in enumerate(values):
+                k = self._bin(b)
+                if k is None:
+                    raise ValueError(f"budget {b:g} lies outside the budget classes' bins [{e[0]:g}, {e[-1]:g}]")
+                members[k].append(j)
+            for k, m in enumerate(members):
+                if not m:
+                    raise ValueError(f"budget class [{e[k]:g}, {e[k + 1]:g}) holds no budget of the run "
+                                     f"(budgets {', '.join(f'{b:g}' for b in values)})")
+            self.names = [class_name(e[k], e[k + 1]) for k in range(len(members))]
+        self.members = members                             # class k -> indices into self.budgets
+        self.class_of_budget = [0] * len(values)
+        for k, m in enumerate(members):
+            for j in m:
+                self.class_of_budget[j] = k
+        self.duals = []
+        for m in members:
+            lam_ceiling = ceiling
+            if lam_ceiling is None and max_length is not None:
+                b = values[m[0]]
+                if not max_length > b:
+                    raise ValueError(f"budget {b:g} must be < L_max = {max_length:g} for the default ceiling")
+                lam_ceiling = b / (max_length - b)
+            # the controller's error is rho_k - 1: its "budget" is 1 and it reads the ratio rho_k as the mean
+            self.duals.append(DualController(1.0, eta, ceiling=lam_ceiling, init=lambda_init, floor=floor,
+                                             controller=controller, kp=kp, kd=kd))
+
+    def _bin(self, b: float) -> int | None:
+        e = self.edges
+        if b < e[0] or b > e[-1]:
+            return None
+        return min(bisect.bisect_right(e, b) - 1, len(e) - 2)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def budget_index(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[...] budgets -> [...] int64 index into the distinct budgets (a budget not of the run: ValueError)."""
+        table = torch.tensor(self.budgets, dtype=torch.float64)
+        b = budgets.to(torch.float64)
+        idx = torch.searchsorted(table, b.reshape(-1)).clamp_max(len(self.budgets) - 1).view(b.shape)
+        if not torch.equal(table[idx], b):
+            bad = b[table[idx] != b].reshape(-1)[0].item()
+            raise ValueError(f"budget {bad:g} is not one of the run's budgets")
+        return idx
+
+    def class_index(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[...] budgets -> [...] int64 class index."""
+        return torch.tensor(self.class_of_budget, dtype=torch.long)[self.budget_index(budgets)]
+
+    def multipliers(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[...] float64: each response's lambda_{k(i)} (the multipliers of this step)."""
+        lam = torch.tensor([d.value for d in self.duals], dtype=torch.float64)
+        return lam[self.class_index(budgets)]
+
+    def ratios(self, counts: Sequence[int]) -> list[float | None]:
+        """Each class's global length ratio ``rho_k = (1 / n_k) sum_b S_b / b`` from the all-reduced counts
+        (``counts[:D]`` the sums S_b of L per distinct budget b, ``counts[D:2D]`` the responses n_b); None for a
+        class without a response. Python floats in a fixed order: the same on every rank and every layout."""
+        D = len(self.budgets)
+        sums, ns = [int(c) for c in counts[:D]], [int(c) for c in counts[D:2 * D]]
+        out: list[float | None] = []
+        for m in self.members:
+            n = sum(ns[j] for j in m)
+            if n == 0:
+                out.append(None)
+                continue
+            total = 0.0
+            for j in m:
+                total += sums[j] / self.budgets[j]
+            out.append(total / n)
+        return out
+
+    def update(self, counts: Sequence[int]) -> list[float | None]:
+        """One dual step per class with a response: ``lambda_k <- clip(lambda_k + eta (rho_k - 1), floor,
+        Lambda_k)``; a class without a response keeps its multiplier. Returns the ratios rho_k."""
+        rho = self.ratios(counts)
+        for d, r in zip(self.duals, rho):
+            if r is not None:
+                d.update(r)
+        return rho
+
+    def values(self) -> list[float]:
+        return [d.value for d in self.duals]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"budgets": list(self.budgets), "edges": None if self.edges is None else list(self.edges),
+                "names": list(self.names), "duals": [d.state_dict() for d in self.duals]}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        if list(state.get("names", [])) != self.names:
+            raise ValueError(f"budget classes mismatch: checkpoint has {state.get('names')}, this run has "
+                             f"{self.names}")
+        for d, s in zip(self.duals, state["duals"]):
+            d.load_state_dict(s, strict=strict)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tail constraint
+# ------------------------------------------------------------------------------------------------------------------
+class TailConstraint:
+    """The share of responses longer than ``tail_budget`` (B_tail) at most ``share`` (q in (0, 1)), with the
+    multiplier mu: reward term ``- mu 1[L > B_tail]``, dual step ``mu <- clip(mu + eta (s / q - 1), 0, ceiling)``
+    with s the global share of the batch (from all-reduced integer counts)."""
+
+    def __init__(self, tail_budget: float, share: float, eta: float, ceiling: float, init: float = 0.0):
+        if not (math.isfinite(float(tail_budget)) and tail_budget > 0):
+            raise ValueError(f"tail_budget must be a finite number > 0, got {tail_budget!r}")
+        if not 0.0 < float(share) < 1.0:
+            raise ValueError(f"tail_share must be in (0, 1), got {share!r}")
+        self.tail_budget, self.share = float(tail_budget), float(share)
+        self.dual = DualController(self.share, eta, ceiling=ceiling, init=init, floor=0.0)
+
+    @property
+    def value(self) -> float:
+        return self.dual.value
+
+    def in_tail(self, lengths: torch.Tensor) -> torch.Tensor:
+        """[...] bool: L > B_tail."""
+        return lengths.to(torch.float64) > self.tail_budget
+
+    def penalty64(self, lengths: torch.Tensor, mu: float) -> torch.Tensor:
+        """[...] float64: ``mu 1[L > B_tail]``."""
+        return mu * self.in_tail(lengths).to(torch.float64)
+
+    @staticmethod
+    def global_share(tail_count: int, n: int) -> float:
+        """s = tail responses / responses (Python float of two all-reduced integers)."""
+        return int(tail_count) / int(n)
+
+    def update(self, tail_count: int, n: int) -> float:
+        """The dual step on the global share; returns the share s."""
+        s = self.global_share(tail_count, n)
+        self.dual.update(s)
+        return s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tail_budget": self.tail_budget, "share": self.share, "dual": self.dual.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        if strict and (float(state["tail_budget"]) != self.tail_budget or float(state["share"]) != self.share):
+            raise ValueError(f"tail constraint mismatch: checkpoint has B_tail {state['tail_budget']!r}, q "
+                             f"{state['share']!r}; this run has {self.tail_budget!r}, {self.share!r}")
+        self.dual.load_state_dict(state["dual"], strict=strict)
+
+
+def local_counts(lengths: torch.Tensor, budget_index: torch.Tensor | None, num_budgets: int,
+                 tail: TailConstraint | None) -> list[int]:
+    """One rank's integer counts for the dual steps: [S_0..S_{D-1}, n_0..n_{D-1}, tail count, responses].
+
+    lengths: [N] int L; budget_index: [N] int64 index of each response's budget among the run's D distinct
+    budgets (None: no classes, D = 0). All-reduce (sum) the list over the data-parallel group."""
+    L = lengths.to(torch.long).reshape(-1)
+    out: list[int] = []
+    if budget_index is not None:
+        idx = budget_index.reshape(-1)
+        out += torch.zeros(num_budgets, dtype=torch.long).index_add_(0, idx, L).tolist()
+        out += torch.bincount(idx, minlength=num_budgets).tolist()
+    out.append(int(tail.in_tail(L).sum()) if tail is not None else 0)
+    out.append(int(L.numel()))
+    return out

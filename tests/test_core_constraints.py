@@ -1,0 +1,248 @@
+"""Constraints beyond the mean (core/constraints.py): the reasoning span cut at the marker, per-prompt costs and
+budget classes with one multiplier each, the tail constraint; against hand-worked values and float64
+re-implementations written here, and the reductions split over two "ranks" equal to one."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from laconic_nemo.core import (
+    BudgetClasses,
+    Shaper,
+    TailConstraint,
+    local_counts,
+    per_prompt_cost64,
+    reasoning_lengths,
+    shape,
+)
+from laconic_nemo.core.constraints import find_marker
+
+
+# ------------------------------------------------------------------ reasoning span
+def _rows(prompts, responses, pad=0):
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses)) + 2
+    rows = [p + r + [pad] * (T - len(p) - len(r)) for p, r in zip(prompts, responses)]
+    return (torch.tensor(rows), torch.tensor([len(p) for p in prompts]), torch.tensor([len(r) for r in responses]))
+
+
+def test_reasoning_span_cut_at_marker_hand_values():
+    marker = [7, 8]
+    prompts = [[1, 2], [1], [3, 3, 3], [1, 7, 8]]
+    responses = [
+        [4, 5, 7, 8, 9],      # marker at 2: L = 2 (the answer 9 and the marker itself are not charged)
+        [4, 7, 4, 7, 8],      # a lone 7 before the marker: L = 3
+        [4, 5, 6],            # never closes its reasoning: charged in full, 3
+        [7, 8, 4, 7, 8],      # marker in the prompt is not searched; first at 0 in the response: L = 0
+    ]
+    L, closed = reasoning_lengths(*_rows(prompts, responses), marker)
+    assert L.tolist() == [2, 3, 3, 0]
+    assert closed.tolist() == [True, True, False, True]
+
+
+def test_reasoning_span_ignores_tokens_after_response_end():
+    # the marker sits in the padding after the response (past response_lengths): not counted as closing
+    tokens = torch.tensor([[1, 4, 5, 7, 8]])
+    L, closed = reasoning_lengths(tokens, torch.tensor([1]), torch.tensor([2]), [7, 8])
+    assert L.tolist() == [2] and closed.tolist() == [False]
+    # a marker cut by the response's end is not a marker either
+    L, closed = reasoning_lengths(tokens, torch.tensor([1]), torch.tensor([3]), [7, 8])
+    assert L.tolist() == [3] and closed.tolist() == [False]
+
+
+def test_find_marker_matches_a_string_search():
+    rng = random.Random(0)
+    for _ in range(300):
+        resp = [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+        marker = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+        # the same search on text: each token a letter
+        text, m = "".join("abcd"[t] for t in resp), "".join("abcd"[t] for t in marker)
+        assert find_marker(resp, marker) == text.find(m)
+    with pytest.raises(ValueError, match="no token"):
+        find_marker([1, 2], [])
+
+
+# ------------------------------------------------------------------ per-prompt cost and classes
+def test_per_prompt_cost_hand_values_and_budget_one():
+    L = torch.tensor([[0.0, 1.0, 2.0], [600.0, 400.0, 1000.0]], dtype=torch.float64)
+    B = torch.tensor([[1.0, 1.0, 1.0], [500.0, 500.0, 1000.0]], dtype=torch.float64)
+    c = per_prompt_cost64(L, B)
+    assert c.tolist() == [[0.0, 0.0, 1.0], [0.2, 0.0, 0.0]]
+    assert per_prompt_cost64(L, B, linear=True).tolist() == [[-1.0, 0.0, 1.0], [0.2, -0.2, 0.0]]
+
+
+def _float64_classes(budgets, edges):
+    """Independent grouping: class of each distinct budget by a linear scan of the bins."""
+    values = sorted(set(budgets))
+    if edges is None:
+        return {b: i for i, b in enumerate(values)}
+    out = {}
+    for b in values:
+        for k in range(len(edges) - 1):
+            last = k == len(edges) - 2
+            if edges[k] <= b < edges[k + 1] or (last and b == edges[-1]):
+                out[b] = k
+                break
+    return out
+
+
+def test_classes_hand_values_with_a_class_without_sample():
+    bc = BudgetClasses([500, 1000, 2000], None, eta=0.1, ceiling=1.0)
+    assert bc.names == ["500", "1000", "2000"]
+    L = torch.tensor([600, 400, 1500, 900])
+    B = torch.tensor([500.0, 500.0, 1000.0, 1000.0])
+    counts = local_counts(L, bc.budget_index(B), len(bc.budgets), None)
+    # S per budget, n per budget, tail count (no tail), responses
+    assert counts == [1000, 2400, 0, 2, 2, 0, 0, 4]
+    rho = bc.update(counts)
+    assert rho == [1.0, 1.2, None]                   # 1000 / (2 * 500), 2400 / (2 * 1000); class 2000 has none
+    assert bc.values() == [0.0, pytest.approx(0.02), 0.0]
+    bc.duals[2]._lam = 0.5
+    bc.update(counts)
+    assert bc.values()[2] == 0.5                      # a class without a sample keeps its multiplier
+
+
+def test_classes_with_bins_ratio_is_mean_of_L_over_B():
+    bc = BudgetClasses([500, 700, 1000, 3000], [500, 1000, 4000], eta=0.5, ceiling=10.0)
+    assert bc.names == ["500-1000", "1000-4000"]
+    assert bc.class_index(torch.tensor([500.0, 700.0, 1000.0, 3000.0])).tolist() == [0, 0, 1, 1]
+    L = torch.tensor([600, 700, 500, 1000, 6000])
+    B = torch.tensor([500.0, 700.0, 1000.0, 1000.0, 3000.0])
+    rho = bc.update(local_counts(L, bc.budget_index(B), len(bc.budgets), None))
+    assert rho[0] == pytest.approx((600 / 500 + 700 / 700) / 2)
+    assert rho[1] == pytest.approx((500 / 1000 + 1000 / 1000 + 6000 / 3000) / 3)
+    assert bc.values() == [pytest.approx(0.5 * (rho[0] - 1)), pytest.approx(0.5 * (rho[1] - 1))]
+
+
+def test_classes_refuse_bad_bins_and_unknown_budgets():
+    with pytest.raises(ValueError, match=r"\[1000, 2000\) holds no budget"):
+        BudgetClasses([500, 2500], [0, 1000, 2000, 3000], eta=0.1)
+    with pytest.raises(ValueError, match="outside"):
+        BudgetClasses([500, 5000], [0, 1000, 3000], eta=0.1)
+    with pytest.raises(ValueError, match="> 0"):
+        BudgetClasses([0, 10], None, eta=0.1)
+    bc = BudgetClasses([10, 20], None, eta=0.1)
+    with pytest.raises(ValueError, match="not one of the run's budgets"):
+        bc.budget_index(torch.tensor([15.0]))
+
+
+def test_default_class_ceiling_is_the_papers_for_the_smallest_budget():
+    bc = BudgetClasses([1, 30, 40], [1, 35, 40], eta=0.1, max_length=96)
+    assert [d.ceiling for d in bc.duals] == [1 / 95, 40 / 56]
+
+
+def test_classes_random_against_float64_reference_and_split_over_two_ranks():
+    rng = random.Random(1)
+    for trial in range(40):
+        budgets = sorted({rng.choice([1, 3, 50, 64, 100, 250, 999]) for _ in range(5)})
+        edges = None
+        if trial % 2 and len(budgets) > 1:
+            edges = [budgets[0], budgets[-1]] if len(budgets) == 2 else [budgets[0], budgets[1], budgets[-1]]
+        eta, ceiling = rng.choice([0.01, 0.3]), 2.0
+        bc = BudgetClasses(budgets, edges, eta=eta, ceiling=ceiling)
+        ref_class = _float64_classes(budgets, edges)
+        K = len(set(ref_class.values()))
+        lam_ref = [0.0] * K
+        for _step in range(5):
+            N = 8
+            B = [float(rng.choice(budgets)) for _ in range(N)]
+            L = [rng.randrange(0, 1200) for _ in range(N)]
+            Lt, Bt = torch.tensor(L), torch.tensor(B, dtype=torch.float64)
+            # two ranks of 4 responses each, counts summed (the all-reduce)
+            c0 = local_counts(Lt[:4], bc.budget_index(Bt[:4]), len(bc.budgets), None)
+            c1 = local_counts(Lt[4:], bc.budget_index(Bt[4:]), len(bc.budgets), None)
+            whole = local_counts(Lt, bc.budget_index(Bt), len(bc.budgets), None)
+            assert [a + b for a, b in zip(c0, c1)] == whole
+            # float64 reference of each class's ratio and dual step
+            for k in range(K):
+                members = [i for i in range(N) if ref_class[B[i]] == k]
+                if members:
+                    ratio = math.fsum(L[i] / B[i] for i in members) / len(members)
+                    lam_ref[k] = min(max(lam_ref[k] + eta * (ratio - 1.0), 0.0), ceiling)
+            bc.update(whole)
+            assert bc.values() == pytest.approx(lam_ref, rel=1e-12, abs=1e-15)
+            lam_of = bc.multipliers(Bt)
+            assert lam_of.tolist() == [bc.values()[ref_class[b]] for b in B]
+
+
+def test_shape_with_per_prompt_budgets_equals_reference_and_plain_laconic_with_one_budget():
+    rng = torch.Generator().manual_seed(0)
+    r = (torch.rand(3, 4, generator=rng) > 0.5).float()
+    L = torch.randint(0, 96, (3, 4), generator=rng)
+    B = torch.tensor([[20.0] * 4, [40.0] * 4, [20.0] * 4], dtype=torch.float64)
+    lams = torch.where(B == 20.0, 0.3, 0.7).to(torch.float64)
+    s = Shaper("laconic", budget=31, max_length=96)
+    shaped, _ = shape(s, r, L, 0.0, max_length=96, budgets=B, lams=lams)
+    L64, r64 = L.double(), r.double()
+    ref = r64 - lams * ((L64 - B) / B).clamp_min(0.0)
+    assert torch.allclose(shaped.double(), ref, rtol=0, atol=1e-7)
+    # one budget for all and one multiplier = the plain laconic shaper
+    one, _ = shape(s, r, L, 0.4, max_length=96, budgets=torch.full((3, 4), 31.0, dtype=torch.float64),
+                   lams=torch.full((3, 4), 0.4, dtype=torch.float64))
+    plain, _ = shape(s, r, L, 0.4, max_length=96)
+    assert torch.equal(one, plain)
+    with pytest.raises(ValueError, match="adaptive shaper"):
+        shape(Shaper("grpo"), r, L, 0.0, budgets=B, lams=lams)
+
+
+# ------------------------------------------------------------------ tail
+def test_tail_share_hand_values_at_zero_and_one():
+    t = TailConstraint(tail_budget=50, share=0.25, eta=0.1, ceiling=1.0)
+    L = torch.tensor([10, 50, 51, 40])                       # 50 is not in the tail (L > B_tail)
+    counts = local_counts(L, None, 0, t)
+    assert counts == [1, 4]
+    assert t.update(*counts) == 0.25 and t.value == 0.0      # at q: no move
+    assert t.update(4, 4) == 1.0                             # share 1: mu += 0.1 * (1 / 0.25 - 1)
+    assert t.value == pytest.approx(0.3)
+    assert t.update(0, 4) == 0.0                             # share 0: mu -= 0.1
+    assert t.value == pytest.approx(0.2)
+    for _ in range(5):
+        t.update(0, 4)
+    assert t.value == 0.0                                    # floor 0
+    for _ in range(10):
+        t.update(4, 4)
+    assert t.value == 1.0                                    # ceiling
+    assert t.penalty64(L, 0.5).tolist() == [0.0, 0.0, 0.5, 0.0]
+
+
+def test_tail_float64_reference_and_refusals():
+    rng = random.Random(2)
+    t = TailConstraint(tail_budget=40, share=0.1, eta=0.05, ceiling=0.8, init=0.2)
+    mu = 0.2
+    for _ in range(100):
+        L = [rng.randrange(0, 96) for _ in range(16)]
+        share = sum(x > 40 for x in L) / 16
+        mu = min(max(mu + 0.05 * (share / 0.1 - 1.0), 0.0), 0.8)
+        c0, c1 = local_counts(torch.tensor(L[:8]), None, 0, t), local_counts(torch.tensor(L[8:]), None, 0, t)
+        t.update(c0[0] + c1[0], c0[1] + c1[1])
+        assert t.value == mu                                 # bit for bit
+    for q in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"\(0, 1\)"):
+            TailConstraint(40, q, 0.1, 1.0)
+
+
+def test_shape_with_tail_penalty_subtracts_it():
+    r = torch.ones(2, 2)
+    L = torch.tensor([[10, 60], [70, 20]])
+    t = TailConstraint(50, 0.2, 0.1, 1.0)
+    base, _ = shape(Shaper("grpo"), r, L, 0.0)
+    shaped, m = shape(Shaper("grpo"), r, L, 0.0, tail_penalty=t.penalty64(L, 0.25))
+    assert shaped.tolist() == [[1.0, 0.75], [0.75, 1.0]] and base.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert m["mean_tail_penalty"] == 0.125
+
+
+def test_state_round_trip_exact():
+    bc = BudgetClasses([10, 20], None, eta=0.37, ceiling=3.0)
+    t = TailConstraint(15, 0.3, 0.11, 0.9)
+    for step in range(7):
+        bc.update([10 * step + 3, 41, 2, 2, 0, 4])
+        t.update(step % 4, 4)
+    bc2, t2 = BudgetClasses([10, 20], None, eta=0.37, ceiling=3.0), TailConstraint(15, 0.3, 0.11, 0.9)
+    bc2.load_state_dict(bc.state_dict())
+    t2.load_state_dict(t.state_dict())
+    assert bc2.values() == bc.values() and t2.value == t.value
+    with pytest.raises(ValueError, match="budget classes mismatch"):
+        BudgetClasses([10, 30], None, eta=0.37, ceiling=3.0).load_state_dict(bc.state_dict())
+    with pytest.raises(ValueError, match="tail constraint mismatch"):
+        TailConstraint(16, 0.3, 0.11, 0.9).load_state_dict(t.state_dict())

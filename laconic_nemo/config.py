@@ -222,7 +222,15 @@ chat template: deepseek_r1_easyr1_math, qwen3_easyr1_math, qwen_math_easyr1_math
     target_length_range: Optional[List[int]] = opt(None, "e.g. [100, 4000] (L1 paper)", above="""Per-prompt target lengths n_gold for the L1 baselines (l1_exact / l1_max): drawn uniformly from
 [min, max] for every prompt of every step (a function of run.seed, step and prompt), stated in the
 prompt with target_instruction, handed to the shaper. null: no targets (other shapers).""")
-    target_instruction: str = opt(" Think for {target} tokens.")
+    target_lengths: Optional[List[int]] = opt(None, """a SET of stated targets, e.g. [500, 1000, 2000, 3000]: each prompt of each
+step draws one of them (the same function of run.seed, step and prompt as
+target_length_range; exclusive with it); null: none""")
+    target_instruction: str = opt(" Think for {target} tokens.", """appended to the prompt with a target; {target} (or {budget})
+is replaced by the prompt's target""")
+    budget_key: Optional[str] = opt(None, """data.kind = math: the JSONL / parquet field holding each prompt's budget B_i
+(laconic.per_prompt_budget); null: none""")
+    budget_missing: str = opt("recipe", """a row without budget_key: recipe (B_i = laconic.budget) | refuse (the
+data check names the file and row)""", choices=("recipe", "refuse"))
     synthetic: SyntheticConfig = section(SyntheticConfig, "synthetic task (laconic_nemo.data.synthetic): sum mod 10 "
                                                           "of k digits")
 
@@ -231,6 +239,32 @@ prompt with target_instruction, handed to the shaper. null: no targets (other sh
         if rng is not None:
             _require(len(rng) == 2 and 1 <= rng[0] <= rng[1], "data.target_length_range",
                      "[min, max] with 1 <= min <= max, or null", list(rng))
+        tl = self.target_lengths
+        if tl is not None:
+            _require(len(tl) > 0 and all(int(t) >= 1 for t in tl), "data.target_lengths",
+                     "a non-empty list of integers >= 1, or null", list(tl))
+            _require(rng is None, "data.target_lengths", "null when data.target_length_range is set (one source of "
+                     "stated targets)", list(tl))
+        if rng is not None or tl is not None:
+            _require("{target}" in self.target_instruction or "{budget}" in self.target_instruction,
+                     "data.target_instruction", "a template with {target} or {budget} (where the prompt states its "
+                     "target)", self.target_instruction)
+        if self.budget_key is not None:
+            _require(bool(self.budget_key), "data.budget_key", "a non-empty field name or null", self.budget_key)
+            _require(self.kind == "math", "data.budget_key", "null with data.kind = synthetic (budgets from data "
+                     "files need data.kind = math; the synthetic task states budgets with data.target_lengths)",
+                     self.budget_key)
+            _require(rng is None and tl is None, "data.budget_key", "null when data.target_length_range or "
+                     "data.target_lengths is set (one source of per-prompt budgets)", self.budget_key)
+
+    def stated_budgets(self) -> list[int] | None:
+        """Every target a prompt can state (target_lengths, or every integer of target_length_range), or None."""
+        if self.target_lengths is not None:
+            return sorted({int(t) for t in self.target_lengths})
+        if self.target_length_range is not None:
+            lo, hi = self.target_length_range
+            return list(range(int(lo), int(hi) + 1))
+        return None
 
 
 @dataclass(slots=True)
@@ -316,6 +350,30 @@ gets hit_cap even when it ended on EOS (authors' runs); false: paper form""")
     alpha: Optional[float] = opt(None, "coefficient of l1_exact / l1_max / efficient (null = method default)", gt=0)
     overlong_buffer: int = opt(512, "DAPO overlong shaping: buffer length", ge=1)
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: maximal penalty", ge=0)
+    reasoning_marker: Optional[str] = opt(None, """reasoning-only budget: L = the response's tokens before the first
+occurrence of this marker's token sequence (e.g. "</think>"); a response
+without the marker is charged in full. Every shaper and the dual step use
+this L. null: L counts the whole response""",
+                                          above="""Constraints beyond the mean (docs/algorithm.md, "Constraints beyond the mean"; laconic_nemo/core/constraints.py).""")
+    per_prompt_budget: bool = opt(False, """laconic / linear: price response i against its prompt's budget B_i
+(data.budget_key, or the stated target of data.target_lengths /
+target_length_range), c_i = max((L_i - B_i) / B_i, 0), with one multiplier
+per budget class, each moved by its class's global mean of L_i / B_i (eta,
+floor, lambda_init, controller of lambda; ceiling: laconic.ceiling, null =
+b / (L_max - b) for the class's smallest budget b). laconic.budget is then
+only the budget of rows without one (data.budget_missing = recipe)""")
+    budget_classes: Optional[List[float]] = opt(None, """bin edges e_0 < ... < e_K of the budget classes ([e_k, e_k+1), the last
+closed); every budget in a bin, every bin with a budget. null: one class per
+distinct budget (needs a finite set: not with data.target_length_range)""")
+    tail_budget: Optional[float] = opt(None, """B_tail of the tail constraint: the share of responses with L > B_tail
+at most tail_share (q), reward term -mu 1[L > B_tail], dual step
+mu <- clip(mu + tail_eta (share / q - 1), 0, tail_ceiling) on the global
+share. Beside the mean (or per-class) constraint. null: no tail constraint""", gt=0)
+    tail_share: float = opt(0.1, "q, the largest share of responses longer than B_tail (inferred)", gt=0, lt=1)
+    tail_eta: float = opt(0.05, "dual step size of mu (inferred)", ge=0)
+    tail_ceiling: float = opt(1.0, """ceiling of mu: 1 keeps a correct tail response (1 - mu) >= an incorrect one
+(0) under 0/1 rewards, as the paper's Lambda does for lambda (inferred)""", ge=0)
+    tail_init: float = opt(0.0, "initial mu, in [0, tail_ceiling]", ge=0)
 
 
 @dataclass(slots=True)
@@ -470,6 +528,7 @@ class Config:
         _require(not SHAPERS[lc.shaper].needs_targets or self.data.target_length_range is not None,
                  "data.target_length_range", f"[min, max] with laconic.shaper = {lc.shaper} (the shaper needs "
                  "per-prompt target lengths)", None)
+        _check_constraints(self)
         if lc.shaper == "overlong":
             _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",
                      f"a number of tokens in (0, rollout.max_new_tokens = {lmax}]", lc.overlong_buffer)
@@ -489,6 +548,54 @@ class Config:
                 node = getattr(node, part, _MISSING) if dataclasses.is_dataclass(node) else _MISSING
             _require(node is not _MISSING, "checkpoint.resume_allow_changes", "a list of config keys (e.g. [run.seed])",
                      str(key))
+
+
+def _check_constraints(cfg: "Config") -> None:
+    """The rules of the constraints beyond the mean (laconic.reasoning_marker, per_prompt_budget, budget_classes,
+    tail_*), each naming its key."""
+    lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
+    if lc.reasoning_marker is not None:
+        _require(bool(lc.reasoning_marker), "laconic.reasoning_marker", "a non-empty string or null",
+                 lc.reasoning_marker)
+    if lc.tail_budget is not None:
+        _require(lc.tail_budget < lmax, "laconic.tail_budget", f"< rollout.max_new_tokens = {lmax}", lc.tail_budget)
+        _require(lc.tail_init <= lc.tail_ceiling, "laconic.tail_init",
+                 f"a number in [0, laconic.tail_ceiling = {lc.tail_ceiling:g}]", lc.tail_init)
+    edges = lc.budget_classes
+    if edges is not None:
+        e = [float(x) for x in edges]
+        _require(lc.per_prompt_budget, "laconic.budget_classes", "null unless laconic.per_prompt_budget = true",
+                 list(edges))
+        _require(len(e) >= 2 and all(x > 0 and math.isfinite(x) for x in e) and all(a < b for a, b in zip(e, e[1:])),
+                 "laconic.budget_classes", "at least two strictly increasing bin edges > 0, or null", list(edges))
+    if not lc.per_prompt_budget:
+        _require(d.budget_key is None, "data.budget_key", "null unless laconic.per_prompt_budget = true", d.budget_key)
+        return
+    _require(lc.shaper in ("laconic", "linear"), "laconic.per_prompt_budget",
+             f"false with laconic.shaper = {lc.shaper} (per-class multipliers need an adaptive shaper: laconic, "
+             "linear)", True)
+    stated = d.stated_budgets()
+    _require(stated is not None or d.budget_key is not None, "laconic.per_prompt_budget",
+             "false without a source of budgets (data.budget_key, data.target_lengths or data.target_length_range)",
+             True)
+    if d.target_length_range is not None:
+        _require(edges is not None, "laconic.budget_classes", "bin edges with data.target_length_range (one class "
+                 "per integer target is too many multipliers)", None)
+    if stated is not None:
+        _require(max(stated) < lmax, "data.target_lengths" if d.target_lengths is not None
+                 else "data.target_length_range", f"targets < rollout.max_new_tokens = {lmax} (L_max must exceed "
+                 "every budget)", max(stated))
+        if edges is not None:
+            e = [float(x) for x in edges]
+            _require(e[0] <= min(stated) and max(stated) <= e[-1], "laconic.budget_classes",
+                     f"bins covering every target [{min(stated)}, {max(stated)}]", list(edges))
+            for k in range(len(e) - 1):
+                last = k == len(e) - 2
+                held = any(e[k] <= b < e[k + 1] or (last and b == e[-1]) for b in stated)
+                _require(held, "laconic.budget_classes", "bins that each hold a budget of the run (bin "
+                         f"[{e[k]:g}, {e[k + 1]:g}) holds none)", list(edges))
+    if d.budget_key is not None and d.budget_missing == "recipe":
+        _require(lc.budget < lmax, "laconic.budget", f"< rollout.max_new_tokens = {lmax}", lc.budget)
 
 
 _MISSING = object()

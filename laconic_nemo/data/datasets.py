@@ -187,3 +187,29 @@ def check_prompt_lengths(items: Sequence[PromptItem], count_tokens, context: int
             raise ValueError(f"{item.source}: field 'problem' is {n} tokens after the prompt template; with "
                              f"rollout.max_new_tokens = {max_new_tokens} at most {room} fit the context of {context} "
                              "tokens")
+
+
+def prompt_budgets(files: Sequence[str | Path], key: str, missing: str, default: float,
+                   max_new_tokens: int) -> list[float]:
+    """Each row's budget B_i from its field ``key`` (data.budget_key), in the order of :func:`load_math_prompts`.
+
+    A row without the field gets ``default`` (laconic.budget) when ``missing`` is ``recipe``, else it is refused;
+    a value that is not a finite number in (0, max_new_tokens) is refused. Errors name the file, the line and the
+    key. Returns [rows] floats."""
+    out = []
+    for f in files:
+        for loc, row in read_rows(f):
+            where = f"{f} {loc}"
+            if not isinstance(row, dict) or key not in row or row[key] is None:
+                if missing == "refuse":
+                    raise ValueError(f"{where}: field {key!r} (data.budget_key) is missing and data.budget_missing = "
+                                     "refuse")
+                out.append(float(default))
+                continue
+            v = row[key]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < max_new_tokens
+            if not ok:
+                raise ValueError(f"{where}: field {key!r} (data.budget_key) = {v!r:.40} is invalid: allowed a number "
+                                 f"of tokens in (0, rollout.max_new_tokens = {max_new_tokens})")
+            out.append(float(v))
+    return out

@@ -39,12 +39,16 @@ import torch.distributed as dist
 
 from laconic_nemo.config import Config, check_layout, defaults, to_dict, to_yaml
 from laconic_nemo.core import (
+    BudgetClasses,
+    TailConstraint,
     constant_lambda,
     cost_lengths,
     group_advantages,
     lambda_controller,
     load_shaper_state,
+    local_counts,
     next_lambda,
+    reasoning_lengths,
     shape,
     shaper_state,
 )
@@ -76,17 +80,21 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
-                      truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None
+                      truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                      budgets: torch.Tensor | None = None, lams: torch.Tensor | None = None,
+                      tail_penalty: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Steps 4 and 5 on one rank's groups: the shaper of ``cfg.laconic`` at lambda ``lam`` (L_max =
     ``rollout.max_new_tokens``), then the group advantages of the ``grpo:`` settings.
 
     rewards, lengths: [P, G] task rewards r and lengths L; truncated: [P, G] bool or None (``L >= L_max``);
-    targets: [P, G] n_gold of the L1 baselines. Returns (shaped rewards [P, G], advantages [P, G], the shaper's
-    metrics)."""
+    targets: [P, G] n_gold of the L1 baselines; budgets, lams: [P, G] per-prompt budgets B_i and their class
+    multipliers (laconic.per_prompt_budget); tail_penalty: [P, G] ``mu 1[L > B_tail]``. Returns (shaped rewards
+    [P, G], advantages [P, G], the shaper's metrics)."""
     g = cfg.grpo
     shaped, metrics = shape(cfg.laconic, rewards, lengths, lam, max_length=cfg.rollout.max_new_tokens,
-                            truncated=truncated, targets=targets)
+                            truncated=truncated, targets=targets, budgets=budgets, lams=lams,
+                            tail_penalty=tail_penalty)
     return shaped, group_advantages(shaped, eps=g.advantage_eps, leave_one_out=g.leave_one_out,
                                     std=g.advantage_std), metrics
 
@@ -99,7 +107,8 @@ class Rollout:
     texts: the N decoded responses.
     task_reward: FloatTensor [N] the task reward r in [0, 1].
     reward_metrics: the reward function's metrics (means over the N responses).
-    targets: DoubleTensor [N] the L1 baselines' target lengths n_gold, or None.
+    targets: DoubleTensor [N] the stated target lengths n_gold, or None.
+    budgets: DoubleTensor [N] each response's budget B_i (laconic.per_prompt_budget), or None.
     """
 
     gen: GenerationOutput
@@ -107,6 +116,7 @@ class Rollout:
     task_reward: torch.Tensor
     reward_metrics: dict[str, Any]
     targets: torch.Tensor | None
+    budgets: torch.Tensor | None = None
 
 
 @dataclass
@@ -152,6 +162,7 @@ class GRPOTrainer:
         eos_id: int,
         checkpoint_hook: CheckpointHook | None = None,
         metric_sinks: Callable[[int], list[MetricSink]] | None = None,
+        budgets: Sequence[float] | None = None,
     ):
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
@@ -162,8 +173,10 @@ class GRPOTrainer:
         self.local_minibatch = cfg.grpo.minibatch_size // dp
         # the lambda controller (the only state of the shaping) or the shaper's constant lambda; `laconic-nemo plan`
         # builds the same (laconic_nemo.plan.step_one)
-        self.dual = lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
-        self._constant_lambda = constant_lambda(cfg.laconic)
+        # (per-prompt budgets: one multiplier per budget class instead, self.classes; lambda is then 0)
+        self.dual = None if cfg.laconic.per_prompt_budget else lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
+        self._constant_lambda = 0.0 if cfg.laconic.per_prompt_budget else constant_lambda(cfg.laconic)
+        self._build_constraints(budgets)
         self.sampler = PromptSampler(len(self.prompts), cfg.grpo.num_prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if dist_ready() else 0
@@ -177,6 +190,43 @@ class GRPOTrainer:
         self._stop_signal: int | None = None
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
+
+    def _build_constraints(self, budgets: Sequence[float] | None) -> None:
+        """The constraints beyond the mean (core/constraints.py): the marker's token ids, the budget classes with
+        their multipliers and the tail constraint, each None when the recipe does not ask for it. ``budgets``: the
+        prompts' B_i (default: read from data.budget_key)."""
+        lc, d = self.cfg.laconic, self.cfg.data
+        self.marker_ids = None
+        if lc.reasoning_marker is not None:
+            self.marker_ids = list(self.encode(str(lc.reasoning_marker)))
+            if not self.marker_ids:
+                raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
+        self.prompt_budgets = None
+        self.classes = None
+        if lc.per_prompt_budget:
+            stated = d.stated_budgets()
+            if stated is None:
+                if budgets is None:
+                    from laconic_nemo.data.datasets import prompt_budgets
+
+                    budgets = prompt_budgets(list(d.train_files), str(d.budget_key), d.budget_missing, lc.budget,
+                                             self.cfg.rollout.max_new_tokens)
+                if len(budgets) != len(self.prompts):
+                    raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
+                self.prompt_budgets = [float(b) for b in budgets]
+                stated = self.prompt_budgets
+            self.classes = BudgetClasses(stated, lc.budget_classes, eta=lc.eta, floor=lc.floor,
+                                         lambda_init=lc.lambda_init, ceiling=lc.ceiling,
+                                         max_length=self.cfg.rollout.max_new_tokens, controller=lc.controller,
+                                         kp=lc.kp, kd=lc.kd)
+        self.tail = None
+        if lc.tail_budget is not None:
+            self.tail = TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+
+    @property
+    def constrained(self) -> bool:
+        """Any constraint beyond the mean is on."""
+        return self.marker_ids is not None or self.classes is not None or self.tail is not None
 
     @property
     def lam(self) -> float:
@@ -223,21 +273,29 @@ class GRPOTrainer:
             scores, reward_metrics = self._grade(texts, [a for _, a in items])
         if targets is not None:
             targets = torch.tensor(targets, dtype=torch.float64).repeat_interleave(G)
-        return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets)
+        budgets = None
+        if self.classes is not None:  # B_i: the stated target, or the prompt's budget from the data
+            budgets = targets if self.prompt_budgets is None else torch.tensor(
+                [self.prompt_budgets[i] for i in indices], dtype=torch.float64).repeat_interleave(G)
+        return Rollout(gen, texts, torch.tensor(scores, dtype=torch.float32), reward_metrics, targets, budgets)
 
     def _prompt_texts(self, step: int, indices: list[int]):
         """This rank's prompt texts and, for the L1 baselines, their target lengths n_gold (a function of
         seed, step and prompt index only, so they do not depend on the layout)."""
         texts = [self.prompts[i][0] for i in indices]
-        if self.cfg.data.target_length_range is None:
+        d = self.cfg.data
+        if d.target_length_range is None and d.target_lengths is None:
             return texts, None
-        lo, hi = self.cfg.data.target_length_range
         targets = []
         for i in indices:
             g = torch.Generator().manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1_000_033 + i)
-            targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
-        instruction = str(self.cfg.data.target_instruction)
-        return [t + instruction.format(target=n) for t, n in zip(texts, targets)], targets
+            if d.target_lengths is not None:  # a set: one of its entries, uniformly
+                targets.append(int(d.target_lengths[int(torch.randint(0, len(d.target_lengths), (1,), generator=g))]))
+            else:
+                lo, hi = d.target_length_range
+                targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
+        instruction = str(d.target_instruction)
+        return [t + instruction.format(target=n, budget=n) for t, n in zip(texts, targets)], targets
 
     def _grade(self, texts, answers):
         """Grade on the first rank of the model-parallel group and broadcast (identical inputs there)."""
@@ -259,12 +317,23 @@ class GRPOTrainer:
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
             lengths, truncated = cost_lengths(gen.lengths, gen.truncated, lc.count_eos)
+            closed = None
+            if self.marker_ids is not None:  # reasoning-only L: the tokens before the marker (unclosed: in full)
+                span, closed = reasoning_lengths(gen.tokens, gen.prompt_lengths, gen.lengths, self.marker_ids)
+                lengths = torch.where(closed, span, lengths)
             # the rank's responses [N] as its groups [P, G]: each prompt's G samples are contiguous (_rollout)
             G = g.group_size
+            budgets, lams, tail_penalty, mu_used = rollout.budgets, None, None, None
+            if self.classes is not None:
+                lams = self.classes.multipliers(budgets).view(-1, G)
+            if self.tail is not None:
+                mu_used = self.tail.value
+                tail_penalty = self.tail.penalty64(lengths, mu_used).view(-1, G)
             _, advantages, shaper_metrics = shaped_advantages(
                 self.cfg, task_reward.view(-1, G), lengths.view(-1, G), self.lam,
                 truncated=None if truncated is None else truncated.view(-1, G),
-                targets=None if targets is None else targets.view(-1, G))
+                targets=None if targets is None else targets.view(-1, G),
+                budgets=None if budgets is None else budgets.view(-1, G), lams=lams, tail_penalty=tail_penalty)
 
         batch = TrainBatch(
             tokens=gen.tokens,
@@ -285,10 +354,15 @@ class GRPOTrainer:
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
-            sums = allreduce_sum([int(lengths.sum()), lengths.numel()], group=self.actor.dp_group, dtype=torch.int64)
+            local = [int(lengths.sum()), lengths.numel()]
+            if self.constrained:  # the constraints' integer counts ride on the same all-reduce
+                local += self._constraint_counts(lengths, budgets, closed)
+            sums = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64)
             global_mean_length = float(sums[0].item()) / float(sums[1].item())
             lam_used = self.lam
             lam_next = next_lambda(self.dual, lam_used, global_mean_length)
+            constraint_metrics = self._constraint_step(sums[2:].tolist(), global_mean_length, mu_used) \
+                if self.constrained else {}
 
         metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
@@ -297,12 +371,44 @@ class GRPOTrainer:
             budget=lc.budget,
             **{"lambda": lam_used, "lambda_next": lam_next},
         )
+        metrics.update(constraint_metrics)
         metrics["step_seconds"] = time.perf_counter() - t_start
         for phase in PHASES:
             metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
         if self.is_logger:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
+
+    def _constraint_counts(self, lengths: torch.Tensor, budgets: torch.Tensor | None,
+                           closed: torch.Tensor | None) -> list[int]:
+        """This rank's integer counts of the constraints: per distinct budget (sum of L, responses), tail count,
+        responses (core.constraints.local_counts), then the responses that closed their reasoning."""
+        c = self.classes
+        counts = local_counts(lengths, None if c is None else c.budget_index(budgets),
+                              0 if c is None else len(c.budgets), self.tail)
+        return counts + [int(closed.sum()) if closed is not None else 0]
+
+    def _constraint_step(self, counts: list[int], global_mean_length: float, mu_used: float | None
+                         ) -> dict[str, Any]:
+        """The dual steps of the constraints from the all-reduced counts (the same integers on every rank, so the
+        same multipliers bit for bit) and their metrics: each multiplier used this step and its constraint's
+        measured value. A class without a response keeps its multiplier (its ratio is null)."""
+        out: dict[str, Any] = {}
+        c = self.classes
+        if c is not None:
+            used = c.values()
+            ratios = c.update(counts[:-3])
+            for name, lam_k, rho in zip(c.names, used, ratios):
+                out[f"laconic/lambda/class_{name}"] = lam_k
+                out[f"laconic/length_ratio/class_{name}"] = rho
+        tail_count, n, closed = counts[-3], counts[-2], counts[-1]
+        if self.tail is not None:
+            out["laconic/mu_tail"] = mu_used
+            out["laconic/tail_share"] = self.tail.update(tail_count, n)
+        if self.marker_ids is not None:
+            out["laconic/reasoning_length_mean"] = global_mean_length
+            out["laconic/reasoning_closed_share"] = closed / n
+        return out
 
     def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
@@ -340,13 +446,19 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoint / resume
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        return {
+        state = {
             "step": step,
             "shaper": shaper_state(self.cfg.laconic.shaper, self.dual),
             "world_size": self.world,
             "dp_size": self.actor.dp_size,
             "config": to_dict(self.cfg),
         }
+        if self.classes is not None or self.tail is not None:
+            state["constraints"] = {
+                "classes": None if self.classes is None else self.classes.state_dict(),
+                "tail": None if self.tail is None else self.tail.state_dict(),
+            }
+        return state
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
@@ -374,6 +486,13 @@ class GRPOTrainer:
         strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
         self.checkpoints.load(path, self.actor)
         load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
+        saved = state.get("constraints") or {}
+        for name, mine in (("classes", self.classes), ("tail", self.tail)):
+            if mine is None:
+                continue
+            if saved.get(name) is None:
+                raise ValueError(f"checkpoint {path} holds no state of the {name} constraint this run has")
+            mine.load_state_dict(saved[name], strict=strict)
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop

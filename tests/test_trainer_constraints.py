@@ -1,0 +1,141 @@
+"""The constraints beyond the mean through GRPOTrainer.train_step with a scripted actor (no model): the
+reasoning span cut at the marker reaches the shaper and the dual step, each budget class moves its own
+multiplier from its class's lengths, the tail multiplier from the tail share; the metrics and the checkpoint
+state carry them; and the config refuses bad settings naming the key."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from laconic_nemo.config import ConfigError, load_config
+from laconic_nemo.grpo.interfaces import GenerationOutput
+from laconic_nemo.grpo.trainer import GRPOTrainer
+
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.yaml"
+MARK = ord("#")
+
+
+def encode(text):
+    return [ord(c) for c in text]
+
+
+class ScriptedActor(SimpleNamespace):
+    """Every response of a group of 8: lengths [10, 20, 30, 40, 50, 60, 70, 80] (EOS after), the marker '#' at
+    position L / 2 in the first four, none in the others."""
+
+    def generate(self, prompt_ids, sampling):
+        n = len(prompt_ids)
+        lengths = torch.tensor([10, 20, 30, 40, 50, 60, 70, 80] * (n // 8))
+        P = 2
+        tokens = torch.full((n, P + 81), 5, dtype=torch.long)
+        for i in range(n):
+            if i % 8 < 4:
+                tokens[i, P + int(lengths[i]) // 2] = MARK
+        return GenerationOutput(tokens, torch.full((n,), P), lengths + 1, lengths, torch.zeros(n, dtype=torch.bool))
+
+    def logprobs(self, batch, reference=False, temperature=1.0):
+        return torch.zeros(batch.response_mask.shape)
+
+    def train_step(self, mb, loss_fn, micro):
+        return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
+
+
+def make(overrides, out, dp_rank=0, dp_size=1):
+    cfg = load_config(TINY, [f"run.output_dir={out}", "grpo.num_prompts_per_step=16", "grpo.minibatch_size=128",
+                             *overrides])
+    return GRPOTrainer(cfg, ScriptedActor(dp_rank=dp_rank, dp_size=dp_size, dp_group=None), encode=encode,
+                       decode=str, prompts=[(f"P{i}", "1") for i in range(50)],
+                       reward_fn=lambda texts, answers: ([1.0] * len(texts), {}), eos_id=1)
+
+
+def test_reasoning_marker_cuts_L_for_the_shaper_and_the_dual_step(tmp_path):
+    t = make(['laconic.reasoning_marker="#"', "laconic.eta=0.1"], tmp_path)
+    m = t.train_step(0)
+    # closed: 5, 10, 15, 20 (tokens before the marker); unclosed charged in full: 50, 60, 70, 80
+    expected = (5 + 10 + 15 + 20 + 50 + 60 + 70 + 80) / 8
+    assert m["laconic/reasoning_length_mean"] == expected == m["mean_response_length"]
+    assert m["laconic/reasoning_closed_share"] == 0.5
+    assert m["lambda_next"] == pytest.approx(min(max(0.1 * (expected / 31 - 1), 0.0), 1.0))
+    # without the marker, the whole response is L
+    plain = make([], tmp_path / "plain").train_step(0)
+    assert plain["mean_response_length"] == 45.0 and "laconic/reasoning_length_mean" not in plain
+
+
+def test_each_budget_class_moves_its_own_multiplier(tmp_path):
+    ov = ["laconic.per_prompt_budget=true", "data.target_lengths=[20,45,90]", "rollout.max_new_tokens=96",
+          "laconic.eta=0.5", "laconic.ceiling=5.0"]
+    t = make(ov, tmp_path)
+    m = t.train_step(0)
+    texts, targets = t._prompt_texts(0, t.sampler.batch(0))
+    counts = {b: targets.count(b) for b in (20, 45, 90)}
+    assert all(f"Think for {b} tokens." in x for x, b in zip(texts, targets))
+    for b in (20, 45, 90):
+        key = f"laconic/length_ratio/class_{b}"
+        if counts[b] == 0:                       # a class without a prompt this step: no ratio, multiplier kept
+            assert m[key] is None and t.classes.values()[[20, 45, 90].index(b)] == 0.0
+            continue
+        assert m[key] == pytest.approx(45.0 / b)             # every group's mean L is 45
+        assert m[f"laconic/lambda/class_{b}"] == 0.0          # used this step
+        assert t.classes.values()[[20, 45, 90].index(b)] == pytest.approx(min(max(0.5 * (45 / b - 1), 0), 5))
+    assert m["lambda"] == 0.0                                 # no mean multiplier with per-prompt budgets
+
+
+def test_tail_multiplier_moves_with_the_tail_share(tmp_path):
+    t = make(["laconic.tail_budget=55", "laconic.tail_share=0.25", "laconic.tail_eta=0.2", "laconic.tail_init=0.1"],
+             tmp_path)
+    m = t.train_step(0)
+    assert m["laconic/tail_share"] == 0.375                   # 60, 70, 80 of 8 exceed 55
+    assert m["laconic/mu_tail"] == 0.1
+    assert t.tail.value == pytest.approx(0.1 + 0.2 * (0.375 / 0.25 - 1))
+    # the tail responses lose mu from the shaped reward (all rewards 1, lambda 0 at step 1): mean penalty 0.1 x 3/8
+    assert m["shaper/mean_tail_penalty"] == pytest.approx(0.1 * 3 / 8)
+
+
+def test_all_constraints_state_round_trips_through_the_checkpoint(tmp_path):
+    ov = ["laconic.per_prompt_budget=true", "data.target_lengths=[20,45,90]", "rollout.max_new_tokens=96",
+          "laconic.tail_budget=55", 'laconic.reasoning_marker="#"', "laconic.eta=0.3", "laconic.ceiling=5.0"]
+    t = make(ov, tmp_path)
+    for s in range(3):
+        t.train_step(s)
+    state = t._trainer_state(3)
+    fresh = make(ov, tmp_path / "b")
+    saved = state["constraints"]
+    fresh.classes.load_state_dict(saved["classes"])
+    fresh.tail.load_state_dict(saved["tail"])
+    assert fresh.classes.values() == t.classes.values() and fresh.tail.value == t.tail.value
+    assert any(v != 0 for v in t.classes.values()) and t.tail.value != 0
+
+
+@pytest.mark.parametrize("override, key", [
+    (["laconic.tail_budget=40", "laconic.tail_share=1.0"], "laconic.tail_share"),
+    (["laconic.tail_budget=40", "laconic.tail_share=0"], "laconic.tail_share"),
+    (["laconic.tail_budget=200"], "laconic.tail_budget"),
+    (["laconic.per_prompt_budget=true"], "laconic.per_prompt_budget"),
+    (["laconic.per_prompt_budget=true", "data.target_lengths=[20,40]", "laconic.budget_classes=[10,15,30,50]"],
+     "laconic.budget_classes"),
+    (["laconic.per_prompt_budget=true", "data.target_length_range=[20,40]"], "laconic.budget_classes"),
+    (["data.target_lengths=[20,40]", "data.target_instruction=' Be brief.'"], "data.target_instruction"),
+    (["data.target_lengths=[20,40]", "data.target_length_range=[20,40]"], "data.target_lengths"),
+    (["laconic.per_prompt_budget=true", "data.target_lengths=[20,100]"], "data.target_lengths"),
+    (["laconic.per_prompt_budget=true", "data.target_lengths=[20,40]", "laconic.shaper=grpo"],
+     "laconic.per_prompt_budget"),
+    (["data.budget_key=budget"], "data.budget_key"),
+    (["laconic.budget_classes=[10,20]"], "laconic.budget_classes"),
+    (["laconic.reasoning_marker=''"], "laconic.reasoning_marker"),
+])
+def test_bad_constraint_config_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(TINY, override)
+
+
+def test_bins_group_stated_targets(tmp_path):
+    t = make(["laconic.per_prompt_budget=true", "data.target_length_range=[20,80]", "laconic.budget_classes=[20,50,80]",
+              "laconic.eta=0.5", "laconic.ceiling=5.0"], tmp_path)
+    m = t.train_step(0)
+    _, targets = t._prompt_texts(0, t.sampler.batch(0))
+    for lo, hi, name in ((20, 50, "20-50"), (50, 80, "50-80")):
+        members = [b for b in targets if lo <= b < hi or (hi == 80 and b == 80)]
+        if members:
+            assert m[f"laconic/length_ratio/class_{name}"] == pytest.approx(sum(45 / b for b in members) / len(members))

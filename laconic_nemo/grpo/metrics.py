@@ -339,12 +339,15 @@ class MetricsWriter:
         self.sinks = []
 
     def rank_trace(self, m: dict[str, Any]):
-        """This rank's lambda, next lambda and mean length of the step as exact float hex strings."""
+        """This rank's lambda, next lambda, mean length and the constraints' multipliers and measured values of the
+        step as exact float hex strings."""
         folder = self.out / "rank_trace"
         folder.mkdir(parents=True, exist_ok=True)
         row = {"step": m["step"], "rank": self.rank, "dp_rank": self.dp_rank,
                "lambda": float(m["lambda"]).hex(), "lambda_next": float(m["lambda_next"]).hex(),
                "mean_response_length": float(m["mean_response_length"]).hex()}
+        # the constraints' multipliers and measured values (laconic/...), null where a class had no response
+        row.update({k: None if v is None else float(v).hex() for k, v in m.items() if k.startswith("laconic/")})
         with (folder / f"rank{self.rank:05d}.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -180,4 +180,6 @@ def format_build(b) -> str:
     ]
     if b.prompt_preview is not None:
         lines.append(f"  first prompt   {b.prompt_preview!r}")
+    for i, c in enumerate(b.constraints):
+        lines.append(f"  {'constraints' if i == 0 else '':<14} {c}")
     return "\n".join(lines)

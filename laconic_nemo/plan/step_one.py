@@ -33,6 +33,7 @@ class StepOneBuild:
     tokenizer: str | None = None  # what was loaded, or None when its path is not here
     prompt_preview: str | None = None
     warnings: list[str] = field(default_factory=list)
+    constraints: list[str] = field(default_factory=list)  # the constraints beyond the mean and their multipliers
 
 
 def _tokenizer_path(cfg: Config, hf_model: str | None) -> str | None:
@@ -53,7 +54,7 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     """
     lc, g, lmax = cfg.laconic, cfg.grpo, cfg.rollout.max_new_tokens
     G = g.group_size
-    controller = lambda_controller(lc, lmax)  # what GRPOTrainer builds
+    controller = None if lc.per_prompt_budget else lambda_controller(lc, lmax)  # what GRPOTrainer builds
     lam = controller.value if controller is not None else constant_lambda(lc)
     lengths = torch.tensor([[[1, lmax][i % 2] for i in range(G)]], dtype=torch.long)  # one group [1, G]
     shaped, _ = shape(lc, torch.linspace(0.0, 1.0, G).view(1, G), lengths, lam, max_length=lmax,
@@ -96,7 +97,77 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
 
     if cfg.data.kind == "math":
         _preview(cfg, out, _tokenizer_path(cfg, hf_model), tokenizer)
+    out.constraints = constraint_lines(cfg, tokenizer)
     return out
+
+
+def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
+    """Build the constraints beyond the mean as the trainer does (core/constraints.py) and describe each with its
+    multipliers; raise ValueError naming the key on a bad one: a marker the tokenizer cannot encode (the synthetic
+    task's character tokenizer, or ``tokenizer`` when loaded), a budget class without a budget."""
+    from laconic_nemo.core import BudgetClasses, TailConstraint
+
+    lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
+    lines = []
+    if lc.reasoning_marker is not None:
+        marker = str(lc.reasoning_marker)
+        if cfg.data.kind == "synthetic":
+            from laconic_nemo.data.synthetic import CharTokenizer
+
+            try:
+                ids = CharTokenizer().encode(marker)
+            except ValueError as exc:
+                raise ValueError(f"laconic.reasoning_marker = {marker!r} is invalid: the synthetic tokenizer cannot "
+                                 f"encode it ({exc})") from None
+            where = "synthetic tokenizer"
+        elif tokenizer is not None:
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+            if not ids or tokenizer.decode(ids) != marker:
+                raise ValueError(f"laconic.reasoning_marker = {marker!r} is invalid: the tokenizer encodes it to "
+                                 f"{ids} which decodes to {tokenizer.decode(ids)!r}")
+            where = "tokenizer"
+        else:
+            ids, where = None, "tokenizer not here: not encoded"
+        lines.append(f"reasoning-only L: tokens before {marker!r} ({where}{'' if ids is None else f': ids {ids}'}); "
+                     "a response without it is charged in full")
+    stated = d.stated_budgets()
+    if stated is not None and cfg.data.kind == "synthetic":
+        from laconic_nemo.data.synthetic import CharTokenizer
+
+        text = str(d.target_instruction).format(target=stated[-1], budget=stated[-1])
+        try:
+            CharTokenizer().encode(text)
+        except ValueError as exc:
+            raise ValueError(f"data.target_instruction = {d.target_instruction!r} is invalid: the synthetic "
+                             f"tokenizer cannot encode it ({exc})") from None
+    if lc.per_prompt_budget:
+        budgets = stated
+        source = "data.target_lengths" if d.target_lengths is not None else "data.target_length_range"
+        if budgets is None:
+            source = f"data.budget_key {d.budget_key!r}"
+            files = [str(f) for f in d.train_files]
+            if files and all(Path(f).is_file() for f in files):
+                from laconic_nemo.data.datasets import prompt_budgets
+
+                budgets = prompt_budgets(files, str(d.budget_key), d.budget_missing, lc.budget, lmax)
+        if budgets is None:
+            lines.append(f"per-prompt budgets from {source} (data files not here: classes built at start)")
+        else:
+            try:
+                classes = BudgetClasses(budgets, lc.budget_classes, eta=lc.eta, floor=lc.floor,
+                                        lambda_init=lc.lambda_init, ceiling=lc.ceiling, max_length=lmax,
+                                        controller=lc.controller, kp=lc.kp, kd=lc.kd)
+            except ValueError as exc:
+                raise ValueError(f"laconic.budget_classes: {exc}") from None
+            desc = ", ".join(f"{n} (lambda_init {dl.value:g}, Lambda {dl.ceiling:g})"
+                             for n, dl in zip(classes.names, classes.duals))
+            lines.append(f"per-prompt budgets from {source}: {len(classes)} classes, one multiplier each, eta "
+                         f"{lc.eta:g}: {desc}")
+    if lc.tail_budget is not None:
+        t = TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+        lines.append(f"tail: share of L > B_tail = {t.tail_budget:g} at most q = {t.share:g}; mu_init {t.value:g}, "
+                     f"eta {lc.tail_eta:g}, ceiling {t.dual.ceiling:g}")
+    return lines
 
 
 def _preview(cfg: Config, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:

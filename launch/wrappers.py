@@ -83,6 +83,16 @@ WRAPPERS: list[Wrapper] = [
     Wrapper("qwen_math_b550_linear", "recipes/qwen_math_1.5b_b550_linear.yaml",
             "Ablation: linear cost on Qwen2.5-Math-1.5B-Instruct, B = 550.",
             f"{HF}/Qwen2.5-Math-1.5B-Instruct"),
+    # beyond the paper: the constraints beyond the mean (docs/algorithm.md)
+    Wrapper("deepseek_reasoning_b1200", "recipes/deepseek_1.5b_reasoning_b1200.yaml",
+            "Beyond the paper: DeepSeek-R1-Distill-Qwen-1.5B, reasoning-only budget 1200 (tokens before </think>).",
+            f"{HF}/DeepSeek-R1-Distill-Qwen-1.5B"),
+    Wrapper("deepseek_stated", "recipes/deepseek_1.5b_stated.yaml",
+            "Beyond the paper: DeepSeek-R1-Distill-Qwen-1.5B, budgets 500-3000 stated in the prompt, one multiplier each.",
+            f"{HF}/DeepSeek-R1-Distill-Qwen-1.5B"),
+    Wrapper("deepseek_tail", "recipes/deepseek_1.5b_tail.yaml",
+            "Beyond the paper: DeepSeek-R1-Distill-Qwen-1.5B, B = 1500 and at most 5% of responses over 3000 tokens.",
+            f"{HF}/DeepSeek-R1-Distill-Qwen-1.5B"),
     # model.source hf: the megatron-core actor reads the HF folder itself, nothing to convert
     Wrapper("qwen3_8b_b1000", "recipes/qwen3_8b_b1000.yaml",
             "Paper run: Qwen3-8B, B = 1000, 150 steps (megatron-core actor + HF bridge, TP 4 x PP 2 x DP 4).",

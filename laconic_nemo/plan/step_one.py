@@ -121,7 +121,11 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
                                  f"encode it ({exc})") from None
             where = "synthetic tokenizer"
         elif tokenizer is not None:
-            ids = tokenizer.encode(marker, add_special_tokens=False)
+            try:
+                ids = tokenizer.encode(marker, add_special_tokens=False)
+            except Exception as exc:  # a tokenizer's own error type (e.g. a lone surrogate)
+                raise ValueError(f"laconic.reasoning_marker = {marker!r} is invalid: the tokenizer cannot encode it "
+                                 f"({type(exc).__name__}: {exc})") from None
             if not ids or tokenizer.decode(ids) != marker:
                 raise ValueError(f"laconic.reasoning_marker = {marker!r} is invalid: the tokenizer encodes it to "
                                  f"{ids} which decodes to {tokenizer.decode(ids)!r}")

@@ -3,6 +3,14 @@
     PYTHONPATH=. python benchmarks/tiny_runs.py            # train what is missing (~1 h on 2 cores), print the block
     PYTHONPATH=. python benchmarks/tiny_runs.py --write    # ... and write it into README.md and the PNG into docs/
     PYTHONPATH=. python benchmarks/tiny_runs.py --check    # ... and exit 1 when README.md says something else
+    PYTHONPATH=. python benchmarks/tiny_runs.py --constraints --write   # the constraints-beyond-the-mean table
+
+With ``--constraints`` the runs are the tiny recipes of the constraints beyond the mean (``CONSTRAINT_ROWS``, into
+``results/constraint_runs``), and the block is the README's ``<!-- constraint-runs:begin ... -->`` table: per
+constraint, its measured value over the first and the last tenth of the steps, its bound, its multiplier at the
+last step and whether the last tenth is within the bound (the tail share at most q; each budget class's mean
+L / B, and the reasoning span's mean / B, within 10% of 1). A recipe that does not load here (the reasoning-only
+one needs the task's marker, data.synthetic.reasoning_marker) is listed as not run, with the reason.
 
 Runs (``laconic-nemo train``, 2 local ranks each, into ``RESULTS/<name>``, all with the warm-up cache
 ``RESULTS/warmup_cache``): the four rows of the table with seed 7 (``tiny_cpu.yaml``, ``tiny_cpu_grpo.yaml``,
@@ -43,6 +51,16 @@ ROWS = [
     ("tiny_cpu_ceiling_null", "recipes/tiny_cpu.yaml", ["laconic.ceiling=null"],
      "`tiny_cpu.yaml laconic.ceiling=null` (paper default Lambda = B / (L_max - B) = 0.477)"),
     ("tiny_cpu_pid", "recipes/tiny_cpu_pid.yaml", [], "`tiny_cpu_pid.yaml` (pid controller, beyond the paper)"),
+]
+
+
+C_BEGIN = "<!-- constraint-runs:begin: written by benchmarks/tiny_runs.py --constraints, do not edit by hand -->"
+C_END = "<!-- constraint-runs:end -->"
+CONSTRAINT_ROWS = [
+    ("tiny_cpu_tail", "recipes/tiny_cpu_tail.yaml", [], "`tiny_cpu_tail.yaml`"),
+    ("tiny_cpu_stated", "recipes/tiny_cpu_stated.yaml", [], "`tiny_cpu_stated.yaml`"),
+    ("tiny_cpu_per_prompt", "recipes/tiny_cpu_per_prompt.yaml", [], "`tiny_cpu_per_prompt.yaml`"),
+    ("tiny_cpu_reasoning", "recipes/tiny_cpu_reasoning.yaml", [], "`tiny_cpu_reasoning.yaml`"),
 ]
 
 
@@ -221,11 +239,78 @@ def block(results: Path, made: dict, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str) -> tuple[int, int]:
-    a, b = text.find(BEGIN), text.find(END)
+def loads(recipe: str, overrides: list[str]) -> str | None:
+    """None when the recipe loads here, else why not (one line)."""
+    from laconic_nemo.config import ConfigError
+
+    try:
+        num_steps(recipe, overrides)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def constraint_rows(label: str, rows: list[dict], cfg) -> list[str]:
+    """The table rows of one run: one per constraint (per budget class)."""
+    n = tenth(rows)
+    first, last = rows[:n], rows[-n:]
+    r0, r1 = mean(first, "task_reward"), mean(last, "task_reward")
+    reward = f"{r0:.3f} -> {r1:.3f}"
+    lc = cfg.laconic
+    out = []
+
+    def avg(rs, key):
+        vals = [float(r[key]) for r in rs if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    if lc.tail_budget is not None:
+        a, b = avg(first, "laconic/tail_share"), avg(last, "laconic/tail_share")
+        out.append(f"| {label} | tail: share of L > {lc.tail_budget:g} | {a:.3f} -> {b:.3f} | <= q = {lc.tail_share:g} "
+                   f"| mu {rows[-1]['laconic/mu_tail']:.3f} | {'yes' if b <= lc.tail_share else 'no'} | {reward} |")
+    keys = sorted({k[len("laconic/length_ratio/class_"):] for r in rows for k in r
+                   if k.startswith("laconic/length_ratio/class_")}, key=lambda x: float(x.split("-")[0]))
+    for name in keys:
+        a, b = avg(first, f"laconic/length_ratio/class_{name}"), avg(last, f"laconic/length_ratio/class_{name}")
+        out.append(f"| {label} | budget class {name}: mean L / B | {a:.3f} -> {b:.3f} | 1 (within 10%) | lambda "
+                   f"{rows[-1][f'laconic/lambda/class_{name}']:.3f} | {'yes' if abs(b - 1) <= 0.1 else 'no'} | "
+                   f"{reward} |")
+    if lc.reasoning_marker is not None:
+        a, b = avg(first, "laconic/reasoning_length_mean"), avg(last, "laconic/reasoning_length_mean")
+        out.append(f"| {label} | reasoning span before {lc.reasoning_marker!r}: mean L | {a:.1f} -> {b:.1f} | "
+                   f"B = {lc.budget:g} (within 10%) | lambda {rows[-1]['lambda']:.3f} | "
+                   f"{'yes' if abs(b / lc.budget - 1) <= 0.1 else 'no'} | {reward} |")
+    if lc.tail_budget is not None and not lc.per_prompt_budget:
+        a, b = mean(first, "mean_response_length"), mean(last, "mean_response_length")
+        out.append(f"| {label} | mean L (beside the tail) | {a:.1f} -> {b:.1f} | <= B = {lc.budget:g} | lambda "
+                   f"{rows[-1]['lambda']:.3f} | {'yes' if b <= 1.1 * lc.budget else 'no'} | {reward} |")
+    return out
+
+
+def constraint_block(results: Path, made: dict) -> str:
+    from laconic_nemo.config import load_config
+
+    lines = [C_BEGIN, "", "| run | constraint | measured, first tenth -> last tenth | bound | multiplier at the last "
+             "step | held (last tenth) | task reward, first -> last tenth |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    skipped = []
+    for name, recipe, over, label in CONSTRAINT_ROWS:
+        why = loads(recipe, over)
+        if why is not None:
+            skipped.append(f"{label}: not run here ({why})")
+            continue
+        lines += constraint_rows(label, rows_of(results / name), load_config(str(ROOT / recipe), over))
+    v = made["versions"]
+    lines += [""] + [f"{x}." for x in skipped] + ([""] if skipped else []) + [
+        f"Measured {made['date']} by `PYTHONPATH=. python benchmarks/tiny_runs.py --constraints --write` (seed "
+        f"{SEED}; torch {v['torch']}, megatron-core {v['megatron-core']}, Python {v['python']}, "
+        f"{made['threads_per_rank']} thread per rank).", "", C_END]
+    return "\n".join(lines)
+
+
+def readme_block(text: str, begin: str = BEGIN, end: str = END) -> tuple[int, int]:
+    a, b = text.find(begin), text.find(end)
     if a < 0 or b < a:
-        raise SystemExit(f"[tiny-runs] README.md has no block between {BEGIN!r} and {END!r}")
-    return a, b + len(END)
+        raise SystemExit(f"[tiny-runs] README.md has no block between {begin!r} and {end!r}")
+    return a, b + len(end)
 
 
 def plot(results: Path, png: Path) -> None:
@@ -236,7 +321,9 @@ def plot(results: Path, png: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="results/tiny_runs", help="folder of the runs (default results/tiny_runs)")
+    ap.add_argument("--results", default=None, help="folder of the runs (default results/tiny_runs, with "
+                    "--constraints results/constraint_runs)")
+    ap.add_argument("--constraints", action="store_true", help="the constraints-beyond-the-mean runs and table")
     ap.add_argument("--seeds", default="7,8,9", help="seeds of tiny_cpu.yaml for the spread line (7 included)")
     ap.add_argument("--fresh", action="store_true", help="remove RESULTS first")
     ap.add_argument("--no-train", action="store_true", help="fail instead of training a missing run")
@@ -245,23 +332,27 @@ def main(argv=None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs")
     args = ap.parse_args(argv)
     seeds = sorted({int(s) for s in args.seeds.split(",")} | {SEED})
-    results = Path(args.results).resolve()
+    results = Path(args.results or ("results/constraint_runs" if args.constraints else "results/tiny_runs")).resolve()
     made = open_results(results, args.fresh)
-    jobs = [(name, recipe, over) for name, recipe, over, _ in ROWS]
-    jobs += [(f"tiny_cpu_seed{s}", "recipes/tiny_cpu.yaml", [f"run.seed={s}"]) for s in seeds if s != SEED]
+    if args.constraints:
+        jobs = [(name, recipe, over) for name, recipe, over, _ in CONSTRAINT_ROWS if loads(recipe, over) is None]
+    else:
+        jobs = [(name, recipe, over) for name, recipe, over, _ in ROWS]
+        jobs += [(f"tiny_cpu_seed{s}", "recipes/tiny_cpu.yaml", [f"run.seed={s}"]) for s in seeds if s != SEED]
     for k, (name, recipe, over) in enumerate(jobs, 1):
         if args.no_train and not run_complete(results / name, num_steps(recipe, over)):
             raise SystemExit(f"[tiny-runs] {name} is not complete in {results} (--no-train)")
         train(name, recipe, over, results, k, len(jobs))
-    text = block(results, made, seeds)
+    text = constraint_block(results, made) if args.constraints else block(results, made, seeds)
     print(text)
     readme = ROOT / "README.md"
     current = readme.read_text()
-    a, b = readme_block(current)
+    a, b = readme_block(current, *((C_BEGIN, C_END) if args.constraints else (BEGIN, END)))
     if args.write:
         readme.write_text(current[:a] + text + current[b:])
-        plot(results, ROOT / "docs" / "tiny_cpu_curves.png")
-        say("wrote README.md and docs/tiny_cpu_curves.png")
+        if not args.constraints:
+            plot(results, ROOT / "docs" / "tiny_cpu_curves.png")
+        say("wrote README.md" + ("" if args.constraints else " and docs/tiny_cpu_curves.png"))
     elif args.check:
         if current[a:b] != text:
             say("README.md's tiny-run block differs from these runs (above); --write replaces it")

@@ -138,7 +138,9 @@ def test_every_recipe_passes_plan_and_builds_step_one(recipe, capsys):
     built = json.loads(out.out)["build"]
     lc = load_config(recipe).laconic
     assert built["lambda_init"] == (0.0 if lc.shaper not in ("laconic", "linear", "fixed") else float(lc.lambda_init))
-    if lc.shaper in ("laconic", "linear"):
+    if lc.per_prompt_budget:  # one multiplier per budget class instead of lambda
+        assert built["dual"] is None and any("classes, one multiplier each" in c for c in built["constraints"])
+    elif lc.shaper in ("laconic", "linear"):
         assert built["dual"]["floor"] == float(lc.floor) and built["dual"]["eta"] == float(lc.eta)
 
 

@@ -169,3 +169,28 @@ def test_marker_through_a_real_qwen_tokenizer():
     cfg.laconic.reasoning_marker = "\ud800"
     with pytest.raises(ValueError, match="laconic.reasoning_marker"):
         constraint_lines(cfg, tok)
+
+
+def test_budgets_from_a_data_field_name_the_bad_row(tmp_path):
+    """data.budget_key: each row's B_i in the order of the prompts; a missing field takes laconic.budget or is
+    refused (data.budget_missing); a bad value is named with its file and line; the classes are its distinct
+    budgets, built by the trainer from the budgets it is given."""
+    import json
+
+    from laconic_nemo.core import BudgetClasses
+    from laconic_nemo.data.datasets import prompt_budgets
+
+    f = tmp_path / "d.jsonl"
+    rows = [{"problem": "a", "answer": "1", "B": 500}, {"problem": "b", "answer": "2"},
+            {"problem": "c", "answer": "3", "B": 1000.0}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert prompt_budgets([f], "B", "recipe", 1500, 4096) == [500.0, 1500.0, 1000.0]
+    with pytest.raises(ValueError, match=r"d\.jsonl line 2: field 'B' \(data\.budget_key\) is missing"):
+        prompt_budgets([f], "B", "refuse", 1500, 4096)
+    for bad in (0, -3, "500", 5000, float("nan"), True):
+        f.write_text(json.dumps({"problem": "a", "answer": "1", "B": 500}) + "\n\n"
+                     + json.dumps({"problem": "b", "answer": "1", "B": bad}) + "\n")
+        with pytest.raises(ValueError, match=r"d\.jsonl line 3: field 'B' \(data\.budget_key\) = .* is invalid"):
+            prompt_budgets([f], "B", "recipe", 1500, 4096)
+    classes = BudgetClasses([500.0, 1500.0, 1000.0], None, eta=0.1, max_length=4096)
+    assert classes.names == ["500", "1000", "1500"]

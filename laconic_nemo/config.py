@@ -525,9 +525,9 @@ class Config:
         except DualSettingError as exc:
             raise ConfigError(f"{_DUAL_KEYS.get(exc.key, 'laconic.' + exc.key)} = {exc.value!r} is invalid: allowed "
                               f"{exc.allowed}") from None
-        _require(not SHAPERS[lc.shaper].needs_targets or self.data.target_length_range is not None,
-                 "data.target_length_range", f"[min, max] with laconic.shaper = {lc.shaper} (the shaper needs "
-                 "per-prompt target lengths)", None)
+        _require(not SHAPERS[lc.shaper].needs_targets or self.data.stated_budgets() is not None,
+                 "data.target_length_range", f"[min, max] (or a set, data.target_lengths) with laconic.shaper = "
+                 f"{lc.shaper} (the shaper needs per-prompt target lengths)", None)
         _check_constraints(self)
         if lc.shaper == "overlong":
             _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",

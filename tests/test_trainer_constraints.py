@@ -194,3 +194,15 @@ def test_budgets_from_a_data_field_name_the_bad_row(tmp_path):
             prompt_budgets([f], "B", "recipe", 1500, 4096)
     classes = BudgetClasses([500.0, 1500.0, 1000.0], None, eta=0.1, max_length=4096)
     assert classes.names == ["500", "1000", "1500"]
+
+
+def test_l1_shapers_take_a_set_of_stated_targets(tmp_path):
+    """data.target_lengths feeds the L1 baselines as the range does: each prompt states one target of the set and
+    the shaper reads it (L1-Max: 1[correct] clip(alpha (n_gold - L) + 0.5, 0, 1))."""
+    t = make(["laconic.shaper=l1_max", "laconic.alpha=0.01", "data.target_lengths=[20,60]"], tmp_path)
+    texts, targets = t._prompt_texts(0, t.sampler.batch(0))
+    assert set(targets) == {20, 60} and all(x.endswith(f" Think for {n} tokens.") for x, n in zip(texts, targets))
+    m = t.train_step(0)
+    L = [10, 20, 30, 40, 50, 60, 70, 80]
+    gaps = [abs(n - x) for n in targets for x in L]
+    assert m["shaper/mean_abs_target_gap"] == pytest.approx(sum(gaps) / len(gaps))

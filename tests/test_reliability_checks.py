@@ -414,6 +414,11 @@ CHECKED_ELSEWHERE = [
     ("rollout.batch_buckets", "[16,8]", "rollout.batch_buckets = [16, 8] is invalid"),
     ("logging.tensorboard_dir", "/proc/laconic_tb", "logging.tensorboard_dir = '/proc/laconic_tb' is invalid"),
     ("logging.wandb_project", "''", "logging.wandb_project = '' is invalid"),
+    ("data.target_lengths", "[0,5]", "data.target_lengths = [0, 5] is invalid"),
+    ("data.budget_key", "budget", "data.budget_key = 'budget' is invalid"),
+    ("laconic.reasoning_marker", "''", "laconic.reasoning_marker = '' is invalid"),
+    ("laconic.per_prompt_budget", "true", "laconic.per_prompt_budget = True is invalid"),
+    ("laconic.budget_classes", "[10,20]", "laconic.budget_classes = [10.0, 20.0] is invalid"),
 ]
 # keys any value of whose type is valid
 FREE = {"run.name", "data.target_instruction", "data.shuffle", "grpo.leave_one_out", "grpo.sort_by_length",

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         from laconic_nemo.eval.stated import plot
 
         readme.write_text(current[:a] + text + current[b:])
-        plot(str(ROOT / "docs" / "stated_budgets.png"), [(label, ev["rows"]) for label, ev in evals])
+        plot(str(ROOT / "docs" / "stated_budgets.png"), [(label.replace("`", ""), ev["rows"]) for label, ev in evals])
         say("wrote README.md and docs/stated_budgets.png")
     elif args.check:
         if current[a:b] != text:

@@ -215,3 +215,21 @@ def test_warmup_teaches_the_reasoning_marker():
 
     assert share(before) == 0.0  # the untrained policy does not write it
     assert share(gen) >= 0.75, share(gen)  # measured 0.94 (45 of 48) at 150 steps
+
+
+def test_train_refuses_a_synthetic_instruction_the_tokenizer_cannot_encode(tmp_path, capsys):
+    """A tiny-task run with stated targets is refused before anything starts when its data.target_instruction (the
+    L1 paper's default wording here) or its reasoning marker has characters the character tokenizer lacks."""
+    from laconic_nemo.cli import main
+
+    out = f"run.output_dir={tmp_path / 'out'}"
+    for overrides, needle in (
+            (["laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
+             "data.target_instruction = ' Think for {target} tokens.' is invalid"),
+            (["data.target_instruction=max", "laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
+             "data.target_instruction = 'max' is invalid: allowed a text holding {target}"),
+            (["data.synthetic.reasoning_marker=done"], "data.synthetic.reasoning_marker = 'done' is invalid")):
+        assert main(["train", "tiny_cpu", *overrides, out]) == 2
+        text = capsys.readouterr()
+        assert needle in text.err + text.out and "launching" not in text.out + text.err
+    load_config(L1)  # the tiny L1 recipe's instruction is accepted

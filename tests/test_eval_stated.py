@@ -233,3 +233,18 @@ def test_train_refuses_a_synthetic_instruction_the_tokenizer_cannot_encode(tmp_p
         text = capsys.readouterr()
         assert needle in text.err + text.out and "launching" not in text.out + text.err
     load_config(L1)  # the tiny L1 recipe's instruction is accepted
+
+
+def test_the_marker_is_part_of_the_warmup_cache_key(tmp_path):
+    """A warm-up with a marker (other answers, another policy) never shares a cached policy with one without or with
+    another marker; without a marker the key holds no marker entry (the task's key before the option)."""
+    from laconic_nemo.app.warmup import warmup_cache_dir, warmup_cache_key
+
+    base = [f"warmup.cache_dir={tmp_path}"]
+    plain = load_config("tiny_cpu", base)
+    assert "reasoning_marker" not in warmup_cache_key(plain, 2, 1)["synthetic"]
+    marked = load_config(ROOT / "recipes" / "tiny_cpu_marker.yaml", base)
+    assert warmup_cache_key(marked, 2, 1)["synthetic"]["reasoning_marker"] == "ok."
+    dirs = {warmup_cache_dir(c, 2, 1) for c in (plain, marked, load_config("tiny_cpu", [*base, "data.synthetic."
+                                                                                        "reasoning_marker=hm."]))}
+    assert len(dirs) == 3

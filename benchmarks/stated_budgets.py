@@ -37,10 +37,15 @@ END = "<!-- stated-budgets:end -->"
 BUDGETS = [16, 24, 32, 40, 48]
 # (run folder, recipe, overrides, label); a row whose recipe is absent is skipped
 RUNS = [
-    ("tiny_cpu_l1_stated", "recipes/tiny_cpu_l1_stated.yaml", [], "L1-Max, alpha = 0.03 (`tiny_cpu_l1_stated.yaml`)"),
+    ("tiny_cpu_l1_stated", "recipes/tiny_cpu_l1_stated.yaml", [], "L1-Max, alpha = 0.03, 70 steps (`tiny_cpu_l1_stated.yaml`)"),
+    ("tiny_cpu_l1_stated_210", "recipes/tiny_cpu_l1_stated.yaml", ["run.num_steps=210"],
+     "L1-Max, alpha = 0.03, 210 steps (`tiny_cpu_l1_stated.yaml run.num_steps=210`)"),
     ("tiny_cpu_stated", "recipes/tiny_cpu_stated.yaml", [], "LACONIC, a multiplier per class (`tiny_cpu_stated.yaml`)"),
 ]
 WARMUP_LABEL = "warm-up policy (no RL; never saw a stated budget)"
+# the plot's legend: the labels above without the recipe in parentheses (a legend inside the length panel)
+def short(label: str) -> str:
+    return label.split(" (")[0]
 
 
 def say(msg: str) -> None:
@@ -81,8 +86,9 @@ def block(evals: list[tuple[str, dict]], made: dict, args) -> str:
                          f"{r['pass@1']:.3f} | {r['within_10']:.3f} | {r['over_budget']:.3f} |")
     first = evals[0][1]
     v = made["versions"]
-    lines += ["", f"Each row: {first['n_samples']} samples of each of {args.problems} held-out problems (the same "
-              f"for every budget and policy), temperature {first['temperature']}, top-p {first['top_p']}, at most "
+    held = first["rows"][0]["n"] // first["n_samples"]  # fewer than asked when k = 2 has too few unseen problems
+    lines += ["", f"Each row: {first['n_samples']} samples of each of {held} held-out problems ({args.problems} asked "
+              f"for; the same for every budget and policy), temperature {first['temperature']}, top-p {first['top_p']}, at most "
               f"{first['max_tokens']} tokens. Measured {made['date']} by `PYTHONPATH=. python "
               f"benchmarks/stated_budgets.py --write` (seed {tiny_runs.SEED}; torch {v['torch']}, megatron-core "
               f"{v['megatron-core']}, Python {v['python']}, {made['threads_per_rank']} thread per rank).", "", END]
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         from laconic_nemo.eval.stated import plot
 
         readme.write_text(current[:a] + text + current[b:])
-        plot(str(ROOT / "docs" / "stated_budgets.png"), [(label.replace("`", ""), ev["rows"]) for label, ev in evals])
+        plot(str(ROOT / "docs" / "stated_budgets.png"), [(short(label), ev["rows"]) for label, ev in evals])
         say("wrote README.md and docs/stated_budgets.png")
     elif args.check:
         if current[a:b] != text:

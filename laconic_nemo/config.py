@@ -40,6 +40,8 @@ from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, S
 PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
 # the synthetic task labels its terms with the letters a..l (laconic_nemo.data.synthetic.LETTERS; a test checks)
 SYNTHETIC_MAX_TERMS = 12
+# the characters of the synthetic task's tokenizer (laconic_nemo.data.synthetic.ALPHABET; a test checks)
+SYNTHETIC_ALPHABET = "0123456789:,Q\n\\boxed{}hm. abcdefghijkl"
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -200,8 +202,18 @@ class SyntheticConfig:
     p_abbreviated: float = opt(0.15, "share of warm-up answers in the abbreviated style (boxed answer only)", ge=0, le=1)
     p_compact: float = opt(0.25, "share in the compact style (running sums only); the rest are worked", ge=0, le=1)
     max_filler: int = opt(4, 'worked / compact answers carry 0..max_filler "hmm. " phrases', ge=0)
+    reasoning_marker: Optional[str] = opt(None, 'e.g. "ok." (3 tokens); null: no marker', above="""End-of-reasoning marker of the tiny task: every warm-up answer closes its reasoning with it right before
+the final boxed answer (a3:3,b5:8,ok.\\boxed{8}), as R1-style models close theirs with </think>;
+in the synthetic tokenizer's characters (0-9 : , Q \\ b o x e d { } h m . space a-l).
+Pair it with laconic.reasoning_marker (the same string) for a reasoning-only budget.""")
 
     def __post_init__(self):
+        marker = self.reasoning_marker
+        if marker is not None:
+            missing = sorted(set(marker) - set(SYNTHETIC_ALPHABET))
+            _require(bool(marker) and not missing, "data.synthetic.reasoning_marker",
+                     "a non-empty string of the synthetic tokenizer's characters "
+                     f"{SYNTHETIC_ALPHABET!r}" + (f" (not encodable: {missing})" if missing else ""), marker)
         _require(self.min_terms <= self.max_terms, "data.synthetic.min_terms",
                  f"an integer <= data.synthetic.max_terms = {self.max_terms}", self.min_terms)
         _require(self.p_abbreviated + self.p_compact <= 1, "data.synthetic.p_compact",
@@ -528,6 +540,14 @@ class Config:
         _require(not SHAPERS[lc.shaper].needs_targets or self.data.stated_budgets() is not None,
                  "data.target_length_range", f"[min, max] (or a set, data.target_lengths) with laconic.shaper = "
                  f"{lc.shaper} (the shaper needs per-prompt target lengths)", None)
+        if self.data.kind == "synthetic" and self.data.stated_budgets() is not None:
+            # the stated target reaches the prompt through the synthetic task's character tokenizer
+            text = str(self.data.target_instruction)
+            missing = sorted(set(text.replace("{target}", "").replace("{budget}", "")) - set(SYNTHETIC_ALPHABET))
+            _require(("{target}" in text or "{budget}" in text) and not missing, "data.target_instruction",
+                     "a text holding {target} (or {budget}), in the synthetic tokenizer's characters "
+                     f"{SYNTHETIC_ALPHABET!r} with data.kind = synthetic"
+                     + (f" (not encodable: {missing})" if missing else ""), text)
         _check_constraints(self)
         if lc.shaper == "overlong":
             _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",

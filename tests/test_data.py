@@ -13,6 +13,8 @@ from laconic_nemo.data.synthetic import (
     Problem,
     SyntheticTask,
     abbreviated_solution,
+    close_reasoning,
+    closes_reasoning,
     compact_solution,
     worked_solution,
 )
@@ -86,6 +88,47 @@ def test_synthetic_solutions_are_right_and_have_the_documented_lengths():
     assert abs(styles.count("abbr") / 4000 - 0.15) < 0.02 and abs(styles.count("compact") / 4000 - 0.25) < 0.025
     with pytest.raises(ValueError, match="p_compact"):
         SyntheticTask(p_abbreviated=0.6, p_compact=0.6)
+
+
+def _warmup_example_reference(task: SyntheticTask, rng: random.Random) -> tuple[str, str]:
+    """The warm-up draw as the task had it before its marker option: problem, style draw, filler draw."""
+    p = task.problem(rng)
+    u = rng.random()
+    if u < task.p_abbreviated:
+        return p.prompt, abbreviated_solution(p)
+    filler = rng.randint(0, task.max_filler)
+    if u < task.p_abbreviated + task.p_compact:
+        return p.prompt, compact_solution(p, filler=filler)
+    return p.prompt, worked_solution(p, filler=filler)
+
+
+def test_reasoning_marker_closes_every_warmup_answer_and_off_changes_nothing():
+    # hand-worked: the marker sits right before the final boxed answer, whatever the style
+    p = Problem((9, 9, 3))
+    assert close_reasoning(worked_solution(p, filler=1), "ok.") == "hmm. a9:9,b9:8,c3:1,ok.\\boxed{1}"
+    assert close_reasoning(compact_solution(p), "ok.") == "a9b8c1ok.\\boxed{1}"
+    assert close_reasoning(abbreviated_solution(p), "ok.") == "ok.\\boxed{1}"
+    assert close_reasoning("\\boxed{3}a1\\boxed{1}", "ok.") == "\\boxed{3}a1ok.\\boxed{1}"  # the FINAL one
+    assert close_reasoning("a9b8c1\\boxed{1}", None) == "a9b8c1\\boxed{1}"
+    assert closes_reasoning("a9b8ok.\\boxed{1}", "ok.") and not closes_reasoning("a9ok.b8\\boxed{1}", "ok.")
+    assert not closes_reasoning("a9b8\\boxed{1}", "ok.")
+    plain = SyntheticTask(max_filler=6)
+    marked = SyntheticTask(max_filler=6, reasoning_marker="ok.")
+    r_ref, r_plain, r_marked = random.Random(3), random.Random(3), random.Random(3)
+    for _ in range(500):
+        ref = _warmup_example_reference(plain, r_ref)
+        assert plain.warmup_example(r_plain) == ref  # off: the same draws and answers as before the option
+        prompt, response = marked.warmup_example(r_marked)
+        i = ref[1].rindex("\\boxed{")
+        assert (prompt, response) == (ref[0], ref[1][:i] + "ok." + ref[1][i:])
+        assert closes_reasoning(response, "ok.") and response.count("ok.") == 1
+    assert r_ref.random() == r_plain.random() == r_marked.random()  # the marker draws nothing
+    # the documented lengths grow by the marker's tokens
+    for style, n in plain.style_lengths().items():
+        assert marked.style_lengths()[style] == pytest.approx(n + 3), style
+    for bad in ("</think>", ""):
+        with pytest.raises(ValueError, match="data.synthetic.reasoning_marker"):
+            SyntheticTask(reasoning_marker=bad)
 
 
 def test_synthetic_problem_set_is_stratified_by_number_of_terms():

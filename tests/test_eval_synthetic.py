@@ -103,6 +103,23 @@ def test_tp2_run_policies_reload_and_evaluate(tmp_path):
     summary = json.loads((out / "rl" / "summary.json").read_text())
     assert summary["benchmarks"]["synthetic"]["tokens"] == pytest.approx(sum(r["num_tokens"] for r in rows) / 10)
     p1, tok = summary["benchmarks"]["synthetic"]["pass@1"], summary["benchmarks"]["synthetic"]["tokens"]
+    # --stated-budgets through the real backend: every (budget, problem, sample) once, the table from those samples
+    try:
+        assert main(args + ["--output-dir", str(out / "stated"), "--stated-budgets", "8,12"]) == 0
+    finally:
+        destroy_distributed()
+    stated = read_samples(str(out / "stated" / SAMPLES))
+    assert sorted((r["benchmark"], r["index"], r["sample"]) for r in stated) == [
+        (f"stated_{b}", i, s) for b in (12, 8) for i in range(5) for s in range(2)]
+    got = json.loads((out / "stated" / "stated.json").read_text())
+    assert got["instruction"] == "max{target}"
+    for row in got["rows"]:
+        mine = [r for r in stated if r["benchmark"] == f"stated_{row['budget']}"]
+        lengths = [r["num_tokens"] for r in mine]
+        assert all(len(r["response"]) <= r["num_tokens"] <= 12 for r in mine)
+        assert row["n"] == 10 and row["mean_length"] == pytest.approx(sum(lengths) / 10)
+        assert row["pass@1"] == pytest.approx(sum(r["score"] for r in mine) / 10)
+        assert row["within_10"] == pytest.approx(sum(abs(n - row["budget"]) <= 0.1 * row["budget"] for n in lengths) / 10)
     table = (out / "rl" / "table.md").read_text().splitlines()
     assert table[0] == "| Model | Synthetic Pass@1 | Synthetic #Tokens |"  # no Avg columns: no paper benchmark
     assert table[2:] == ["| base | 50.0 | 8 |", f"| run | {100 * p1:.1f} | {tok:.0f} |",

@@ -405,6 +405,7 @@ def _outside(rng, kind) -> list:
 CHECKED_ELSEWHERE = [
     ("data.prompt_template", "nosuch", "data.prompt_template = 'nosuch'"),
     ("data.target_length_range", "[5,1]", "data.target_length_range = [5, 1] is invalid"),
+    ("data.synthetic.reasoning_marker", "</think>", "data.synthetic.reasoning_marker = '</think>' is invalid"),
     ("checkpoint.resume", "/nonexistent/step_000001", "checkpoint.resume = '/nonexistent/step_000001' is invalid"),
     ("checkpoint.resume_allow_changes", "[no.such]", "checkpoint.resume_allow_changes = 'no.such' is invalid"),
     ("run.output_dir", "/proc/laconic_out", "run.output_dir = '/proc/laconic_out' is invalid"),
@@ -432,8 +433,8 @@ def test_every_key_has_a_range_or_a_check_elsewhere():
     import dataclasses
     import typing
 
-    from laconic_nemo.config import SYNTHETIC_MAX_TERMS, Config, ranged_keys
-    from laconic_nemo.data.synthetic import LETTERS
+    from laconic_nemo.config import SYNTHETIC_ALPHABET, SYNTHETIC_MAX_TERMS, Config, ranged_keys
+    from laconic_nemo.data.synthetic import ALPHABET, LETTERS
 
     def walk(schema, prefix=""):
         hints = typing.get_type_hints(schema)
@@ -449,6 +450,7 @@ def test_every_key_has_a_range_or_a_check_elsewhere():
     assert keys - ranged - elsewhere - FREE == set()
     assert not ranged & (elsewhere | FREE) and not elsewhere & FREE
     assert SYNTHETIC_MAX_TERMS == len(LETTERS)
+    assert sorted(SYNTHETIC_ALPHABET) == sorted(ALPHABET)  # the config's copy of the tokenizer's characters
 
 
 def test_schema_walk_every_ranged_key_out_of_range_is_refused_before_launch(capsys, tmp_path):

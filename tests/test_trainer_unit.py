@@ -19,11 +19,12 @@ def make_trainer(overrides, dp_rank=0, dp_size=1):
 
 
 def test_l1_targets_are_drawn_in_range_stated_in_the_prompt_and_layout_independent():
-    ov = ["laconic.shaper=l1_exact", "data.target_length_range=[20,60]"]
+    # the tiny task's instruction is written in its tokenizer's characters (data.target_instruction is checked)
+    ov = ["laconic.shaper=l1_exact", "data.target_length_range=[20,60]", "data.target_instruction=max{target}"]
     t = make_trainer(ov)
     texts, targets = t._prompt_texts(3, [4, 7, 9])
     assert all(20 <= n <= 60 for n in targets)
-    assert texts == [f"P{i} Think for {n} tokens." for i, n in zip([4, 7, 9], targets)]
+    assert texts == [f"P{i}max{n}" for i, n in zip([4, 7, 9], targets)]
     # the same prompt at the same step gets the same target on any rank / layout, and differs across steps
     other = make_trainer(ov, dp_rank=1, dp_size=2)
     assert other._prompt_texts(3, [7])[1] == [targets[1]]

@@ -170,6 +170,8 @@ def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | 
 
     key = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = dataclasses.asdict(cfg.data.synthetic)
+    if key["synthetic"].get("reasoning_marker") is None:  # no marker: the key of the task without the option
+        key["synthetic"].pop("reasoning_marker", None)
     key["seed"] = cfg.run.seed
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)

@@ -25,6 +25,17 @@ Three ways of answering, mixed in the warm-up (supervised) data:
 * **abbreviated** (short, unreliable): the boxed answer alone, ``\boxed{7}`` (9 tokens). A tiny model
   cannot add several digits in one step, so this style is right mostly for small ``k``.
 
+**End-of-reasoning marker** (``reasoning_marker``, off by default): when set, every warm-up answer closes its
+reasoning with the marker right before the final boxed answer, as an R1-style model closes it with ``</think>``::
+
+    a3:3,b5:8,c2:0,d7:7,ok.\boxed{7}        (reasoning_marker "ok.")
+    hmm. a3b8c0d7ok.\boxed{7}
+    ok.\boxed{7}                            (the abbreviated style: an empty reasoning span)
+
+The reasoning span is the text before the marker, the answer the boxed result after it (9 tokens). The marker
+must be written in the tokenizer's alphabet (``ok.``: three tokens no prompt or answer style contains). Off,
+the answers (and the random draws that make them) are exactly those above.
+
 With the budget B between the compact mean length and the worked mean length, the length
 constraint is active at the optimum: a policy at B must give up some worked solutions (the long
 problems, whose worked answers are over B, switch to compact ones), and LACONIC's lambda settles
@@ -112,6 +123,28 @@ def abbreviated_solution(problem: Problem) -> str:
     return f"\\boxed{{{problem.answer}}}"
 
 
+def close_reasoning(response: str, marker: str | None) -> str:
+    """``response`` with ``marker`` inserted right before its final ``\\boxed{`` (unchanged when marker is None)."""
+    if marker is None:
+        return response
+    i = response.rindex("\\boxed{")
+    return response[:i] + marker + response[i:]
+
+
+def closes_reasoning(text: str, marker: str) -> bool:
+    """Whether a response closes its reasoning with ``marker``: the marker occurs and is followed directly by a
+    ``\\boxed{`` (the warm-up's shape: the boxed answer right after the marker)."""
+    return (marker + "\\boxed{") in text
+
+
+def check_marker(marker: str, key: str = "data.synthetic.reasoning_marker") -> None:
+    """Refuse a marker the character tokenizer cannot encode (or an empty one), naming ``key``."""
+    missing = sorted({c for c in marker} - set(ALPHABET))
+    if not marker or missing:
+        raise ValueError(f"{key} = {marker!r} is invalid: allowed a non-empty string of the synthetic tokenizer's "
+                         f"characters {ALPHABET!r}" + (f" (not encodable: {missing})" if missing else ""))
+
+
 @dataclass
 class SyntheticTask:
     """Generator of problems and warm-up solutions.
@@ -120,6 +153,8 @@ class SyntheticTask:
     p_abbreviated: share of warm-up solutions in the abbreviated style.
     p_compact: share of warm-up solutions in the compact style (the rest are worked).
     max_filler: worked and compact solutions carry uniform 0..max_filler filler phrases.
+    reasoning_marker: None, or the end-of-reasoning marker every warm-up solution places right before its final
+        boxed answer (see the module docstring).
     """
 
     min_terms: int = 2
@@ -127,8 +162,11 @@ class SyntheticTask:
     p_abbreviated: float = 0.15
     p_compact: float = 0.25
     max_filler: int = 4
+    reasoning_marker: str | None = None
 
     def __post_init__(self):
+        if self.reasoning_marker is not None:
+            check_marker(self.reasoning_marker)
         if not 2 <= self.min_terms <= self.max_terms <= len(LETTERS):
             raise ValueError(f"data.synthetic: need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}"
                              f" (max_terms at most {len(LETTERS)})")
@@ -157,23 +195,26 @@ class SyntheticTask:
         p = self.problem(rng)
         u = rng.random()
         if u < self.p_abbreviated:
-            return p.prompt, abbreviated_solution(p)
-        filler = rng.randint(0, self.max_filler)
-        if u < self.p_abbreviated + self.p_compact:
-            return p.prompt, compact_solution(p, filler=filler)
-        return p.prompt, worked_solution(p, filler=filler)
+            response = abbreviated_solution(p)
+        else:
+            filler = rng.randint(0, self.max_filler)
+            style = compact_solution if u < self.p_abbreviated + self.p_compact else worked_solution
+            response = style(p, filler=filler)
+        return p.prompt, close_reasoning(response, self.reasoning_marker)
 
     def style_lengths(self) -> dict[str, float]:
-        """Expected response length (tokens, EOS excluded) of each style under this task's k range."""
+        """Expected response length (tokens, EOS excluded) of each style under this task's k range (the marker's
+        tokens included when it is set)."""
         ks = range(self.min_terms, self.max_terms + 1)
-        worked = sum(5 * k + 9 for k in ks) / len(ks)
-        compact = sum(2 * k + 9 for k in ks) / len(ks)
+        m = len(self.reasoning_marker or "")
+        worked = sum(5 * k + 9 + m for k in ks) / len(ks)
+        compact = sum(2 * k + 9 + m for k in ks) / len(ks)
         filler = len(FILLER) * self.max_filler / 2
         p_worked = 1.0 - self.p_abbreviated - self.p_compact
         return {
-            "abbreviated": 9.0,
+            "abbreviated": 9.0 + m,
             "compact": compact,
             "worked": worked,
             "padded_worked": worked + filler,
-            "warmup_mix": self.p_abbreviated * 9.0 + self.p_compact * (compact + filler) + p_worked * (worked + filler),
+            "warmup_mix": self.p_abbreviated * (9.0 + m) + self.p_compact * (compact + filler) + p_worked * (worked + filler),
         }

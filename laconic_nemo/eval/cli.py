@@ -1,5 +1,6 @@
 """`laconic-nemo eval`: pass@1 and mean response tokens on the math benchmarks (the paper's Table 1), or on
-held-out problems of the tiny synthetic task for a synthetic-task run (``--benchmarks synthetic``)."""
+held-out problems of the tiny synthetic task for a synthetic-task run (``--benchmarks synthetic``), there also per
+budget stated in the prompt (``--stated-budgets``, :mod:`laconic_nemo.eval.stated`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def register(subparsers) -> None:
                         "format in laconic_nemo/eval/choice.py) instead of --benchmarks")
     p.add_argument("--synthetic-problems", type=int, default=512,
                    help="synthetic: held-out problems asked for (fewer when a number of terms has too few unseen)")
+    p.add_argument("--stated-budgets", default=None,
+                   help="synthetic: comma-separated budgets (e.g. 16,24,32); every held-out problem is asked once per "
+                        "budget, stated in the prompt by the run's data.target_instruction; prints per budget the "
+                        "mean length, mean length / budget, pass@1 and the share within 10%%, writes stated.md, "
+                        "stated.json and stated_budgets.png")
     p.add_argument("--warmed-up", action="store_true",
                    help="synthetic: evaluate the run's cached warm-up policy (its RL starting point, the base)")
     p.add_argument("--warmup-cache", default=None,
@@ -61,6 +67,8 @@ def check_args(args) -> str | None:
         return "--backend megatron evaluates synthetic-task runs only (--benchmarks synthetic)"
     if args.warmed_up:
         return "--warmed-up applies to --benchmarks synthetic only"
+    if getattr(args, "stated_budgets", None) is not None:
+        return "--stated-budgets applies to --benchmarks synthetic only"
     if not os.path.isdir(model):
         what = "is a file" if os.path.exists(model) else "does not exist"
         return (f"--model {args.model!r} {what}: give a local Hugging Face checkpoint folder (with config.json); "
@@ -125,7 +133,30 @@ def _check_synthetic(args) -> str | None:
     if str(cfg.model.source) != "synthetic" or str(cfg.data.kind) != "synthetic":
         return (f"--model {args.model!r} is a model.source = {cfg.model.source} run; --benchmarks synthetic needs a "
                 "synthetic-task run (data.kind = synthetic)")
-    limit = int(cfg.model.max_position_embeddings) - (2 + 2 * int(cfg.data.synthetic.max_terms) + 1)
+    longest_prompt = 2 + 2 * int(cfg.data.synthetic.max_terms) + 1
+    if getattr(args, "stated_budgets", None) is not None:
+        from laconic_nemo.config import SYNTHETIC_ALPHABET
+        from laconic_nemo.eval.stated import parse_stated_budgets, stated_prompt
+
+        try:
+            budgets = parse_stated_budgets(args.stated_budgets)
+        except ValueError as exc:
+            return str(exc)
+        instruction = str(cfg.data.target_instruction)
+        missing = sorted(set(instruction.replace("{target}", "")) - set(SYNTHETIC_ALPHABET))
+        if "{target}" not in instruction or missing:
+            return (f"--stated-budgets: the run's data.target_instruction {instruction!r} cannot state a budget to the "
+                    "synthetic task (allowed a text holding {target}, in the synthetic tokenizer's characters"
+                    + (f"; not encodable: {missing}" if missing else "") + ")")
+        longest_prompt = len(stated_prompt("Q:" + "a0" * int(cfg.data.synthetic.max_terms) + "\n", instruction,
+                                           max(budgets)))
+    limit = int(cfg.model.max_position_embeddings) - longest_prompt
+    if limit < 1:
+        return (f"--stated-budgets: the longest stated prompt ({longest_prompt} tokens) leaves no room in the run's "
+                f"model.max_position_embeddings = {cfg.model.max_position_embeddings}")
+    if args.max_tokens is None and int(cfg.rollout.max_new_tokens) > limit:
+        return (f"--max-tokens: the run's rollout.max_new_tokens = {cfg.rollout.max_new_tokens} does not fit after the "
+                f"longest stated prompt; allowed 1..{limit}")
     if args.max_tokens is not None and args.max_tokens > limit:
         return (f"--max-tokens = {args.max_tokens} is invalid: allowed 1..{limit} (the run's model.max_position_"
                 f"embeddings {cfg.model.max_position_embeddings} minus the longest prompt)")
@@ -287,7 +318,35 @@ def _main_synthetic(args) -> int:
     backend.load(policy, cfg)
     problems = benchmark_problems(cfg, args.synthetic_problems, seed=args.seed)
     sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens or int(cfg.rollout.max_new_tokens))
+    if args.stated_budgets is not None:
+        return _stated(args, cfg, backend, sampling, name)
     evaluate(backend, [BENCHMARK], args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
              grader=ExactAnswerGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
              base_summary=args.base_summary, problems={BENCHMARK: problems}, prompt_fn=lambda text: text)
+    return 0
+
+
+def _stated(args, cfg, backend, sampling, name: str) -> int:
+    """``--stated-budgets``: one benchmark ``stated_<b>`` per budget in one resumable evaluation, then the
+    per-budget table (:mod:`laconic_nemo.eval.stated`)."""
+    from laconic_nemo.eval.runner import SAMPLES, evaluate, read_samples
+    from laconic_nemo.eval.stated import parse_stated_budgets, stated_problems, stated_rows, write_report
+    from laconic_nemo.eval.synthetic import ExactAnswerGrader
+
+    budgets = parse_stated_budgets(args.stated_budgets)
+    problems = stated_problems(cfg, budgets, args.synthetic_problems, seed=args.seed)
+    evaluate(backend, list(problems), args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
+             grader=ExactAnswerGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
+             base_summary=args.base_summary, problems=problems, prompt_fn=lambda text: text)
+    # the samples of this evaluation (an output folder may hold more, from an earlier one with other settings)
+    asked = {(b, p.index) for b, ps in problems.items() for p in ps[:args.limit]}
+    samples = [r for r in read_samples(os.path.join(args.output_dir, SAMPLES))
+               if (r["benchmark"], r["index"]) in asked and r["sample"] < args.n_samples]
+    rows = stated_rows(samples, budgets)
+    table = write_report(args.output_dir, name, rows, {
+        "instruction": str(cfg.data.target_instruction), "n_samples": args.n_samples, "limit": args.limit,
+        "synthetic_problems": args.synthetic_problems, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens, "seed": args.seed})
+    print(f"{name}: stated budgets (prompt + {str(cfg.data.target_instruction)!r})")
+    print(table, end="")
     return 0

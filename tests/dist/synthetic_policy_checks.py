@@ -24,7 +24,8 @@ def make_config(run_dir: str):
         "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
         "model.attention=local", "warmup.num_steps=3", "warmup.batch_size=8", f"warmup.cache_dir={run_dir}/warmup",
         f"run.output_dir={run_dir}", "run.num_steps=1", "grpo.micro_batch_size=4", "optim.lr=1e-2",
-        "optim.warmup_steps=0", "data.num_prompts=64"])
+        "optim.warmup_steps=0", "data.num_prompts=64",
+        "data.target_instruction=max{target}"])  # how --stated-budgets states a budget to this run
 
 
 def run(rank: int, world: int, port: int, run_dir: str) -> None:

@@ -1,0 +1,147 @@
+"""Stated-budget evaluation of a tiny-task run: does the policy follow the budget its prompt states?
+
+``laconic-nemo eval --benchmarks synthetic --stated-budgets 16,24,32 --model RUN --output-dir DIR`` asks every
+held-out problem (:func:`laconic_nemo.eval.synthetic.heldout_problems`) once per stated budget b, the prompt
+stating b exactly as training stated its targets: the problem text followed by the run's
+``data.target_instruction`` with ``{target}`` = b (the L1 data path, ``GRPOTrainer._prompt_texts``;
+:func:`stated_prompt`). Each budget is a benchmark of its own, ``stated_<b>``, of one resumable evaluation
+(:func:`laconic_nemo.eval.runner.evaluate`: ``samples.jsonl``, ``summary.json``), and per budget the command
+prints and writes (:func:`stated_rows`):
+
+* mean length: the mean generated tokens L over all samples (EOS not counted, as the cost counts L);
+* mean length / budget;
+* pass@1: the mean correctness over all samples (the training reward's rule);
+* share within 10%: the share of samples with ``|L - b| <= 0.1 b``;
+* share over budget: the share with ``L > b``.
+
+Files: ``stated.md`` (the table), ``stated.json`` (its rows and the settings) and ``stated_budgets.png``
+(stated budget on x, measured mean length on y, the diagonal L = b and its 10% band; pass@1 per budget beside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+PREFIX = "stated_"
+TABLE = "stated.md"
+JSON = "stated.json"
+PLOT = "stated_budgets.png"
+WITHIN = 0.1  # "within 10%" of the stated budget
+
+
+def parse_stated_budgets(text: str, flag: str = "--stated-budgets") -> list[int]:
+    """``"16,24,32"`` -> ``[16, 24, 32]``; an empty list, a value that is not an integer, a budget < 1 or a
+    repeated budget is a ValueError naming ``flag``."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
+        raise ValueError(f"{flag} = {text!r} is invalid: allowed a comma-separated list of integers >= 1, e.g. 16,24,32")
+    out: list[int] = []
+    for p in parts:
+        try:
+            b = int(p)
+        except ValueError:
+            raise ValueError(f"{flag}: {p!r} is not an integer (allowed a comma-separated list of integers >= 1)") \
+                from None
+        if b < 1:
+            raise ValueError(f"{flag}: budget {b} is invalid: allowed an integer >= 1")
+        if b in out:
+            raise ValueError(f"{flag}: budget {b} is given twice")
+        out.append(b)
+    return out
+
+
+def stated_prompt(prompt: str, instruction: str, budget: int) -> str:
+    """The prompt stating ``budget``: ``prompt + instruction.format(target=budget, budget=budget)``, the rule by
+    which training states each prompt's target (``GRPOTrainer._prompt_texts``; a test holds the two equal)."""
+    return prompt + str(instruction).format(target=int(budget), budget=int(budget))
+
+
+def benchmark_name(budget: int) -> str:
+    return f"{PREFIX}{int(budget)}"
+
+
+def stated_problems(cfg, budgets: Iterable[int], num_problems: int, seed: int = 0) -> dict[str, list]:
+    """``stated_<b>`` -> the held-out problems of run config ``cfg`` (:func:`benchmark_problems`) with their prompt
+    stating b in the run's ``data.target_instruction``; the same problems for every budget."""
+    from laconic_nemo.eval.benchmarks import Problem
+    from laconic_nemo.eval.synthetic import benchmark_problems
+
+    base = benchmark_problems(cfg, num_problems, seed=seed)
+    instruction = str(cfg.data.target_instruction)
+    return {benchmark_name(b): [Problem(benchmark_name(b), p.index, stated_prompt(p.problem, instruction, b), p.answer)
+                                for p in base] for b in budgets}
+
+
+def stated_rows(samples: list[dict], budgets: Iterable[int]) -> list[dict]:
+    """Per stated budget b (in the given order), from the evaluation's sample rows (``benchmark``, ``num_tokens``,
+    ``score``): n (samples), mean_length, length_ratio (mean_length / b), pass@1, within_10 (share with
+    ``|L - b| <= 0.1 b``), over_budget (share with ``L > b``). A budget without samples is a ValueError."""
+    out = []
+    for b in budgets:
+        rows = [r for r in samples if r["benchmark"] == benchmark_name(b)]
+        if not rows:
+            raise ValueError(f"no samples of stated budget {b}")
+        n = len(rows)
+        lengths = [int(r["num_tokens"]) for r in rows]
+        mean_len = sum(lengths) / n
+        out.append({"budget": int(b), "n": n, "mean_length": mean_len, "length_ratio": mean_len / b,
+                    "pass@1": sum(float(r["score"]) for r in rows) / n,
+                    "within_10": sum(abs(L - b) <= WITHIN * b for L in lengths) / n,
+                    "over_budget": sum(L > b for L in lengths) / n})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| stated budget | mean length | mean length / budget | pass@1 | share within 10% | share over budget |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['budget']} | {r['mean_length']:.1f} | {r['length_ratio']:.2f} | {r['pass@1']:.3f} | "
+              f"{r['within_10']:.3f} | {r['over_budget']:.3f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: str, runs: list[tuple[str, list[dict]]]) -> None:
+    """Stated budget (x) against measured mean length (y), one line per run, with the diagonal L = b and its 10%
+    band; beside it pass@1 per stated budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
+    budgets = sorted({r["budget"] for _, rows in runs for r in rows})
+    lo, hi = min(budgets), max(budgets)
+    top = max([hi] + [r["mean_length"] for _, rows in runs for r in rows]) * 1.1
+    ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="diagonal (L = budget)")
+    ax.fill_between([0, top], [0, (1 - WITHIN) * top], [0, (1 + WITHIN) * top], color="gray", alpha=0.12,
+                    label="within 10%")
+    for i, (name, rows) in enumerate(runs):
+        xs = [r["budget"] for r in rows]
+        ax.plot(xs, [r["mean_length"] for r in rows], marker="os^Dv"[i % 5], label=name)
+        ax2.plot(xs, [r["pass@1"] for r in rows], marker="os^Dv"[i % 5], label=name)
+    pad = 0.15 * (hi - lo or hi)
+    ax.set_xlim(max(0, lo - pad), hi + pad)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("stated budget (tokens)")
+    ax.set_ylabel("measured mean length (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax2.set_xlabel("stated budget (tokens)")
+    ax2.set_ylabel("pass@1")
+    ax2.set_ylim(0, 1)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(output_dir: str, name: str, rows: list[dict], settings: dict) -> str:
+    """``stated.md``, ``stated.json`` and ``stated_budgets.png`` in ``output_dir``; returns the table."""
+    table = markdown(rows)
+    with open(os.path.join(output_dir, TABLE), "w") as f:
+        f.write(table)
+    with open(os.path.join(output_dir, JSON), "w") as f:
+        json.dump({"model": name, "rows": rows, **settings}, f, indent=2)
+    plot(os.path.join(output_dir, PLOT), [(name, rows)])
+    return table

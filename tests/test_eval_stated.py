@@ -1,0 +1,250 @@
+"""`laconic-nemo eval --benchmarks synthetic --stated-budgets`: the budgets stated in the prompt as training states
+them, the per-budget table against hand-worked values and a float64 recomputation, the refusals, and the marker the
+tiny task's warm-up teaches (a real one-process warm-up and sampling)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from laconic_nemo.config import load_config, to_yaml
+from laconic_nemo.eval.stated import (
+    benchmark_name,
+    parse_stated_budgets,
+    stated_problems,
+    stated_prompt,
+    stated_rows,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+L1 = ROOT / "recipes" / "tiny_cpu_l1_stated.yaml"
+
+
+def test_parse_stated_budgets_refuses_bad_lists_naming_the_flag():
+    assert parse_stated_budgets("16, 24,32") == [16, 24, 32]
+    assert parse_stated_budgets("1") == [1]
+    for bad, needle in (("", "comma-separated"), (" , ", "comma-separated"), ("16,0", "budget 0"),
+                        ("16,-3", "budget -3"), ("16,x", "'x' is not an integer"), ("8,8", "given twice"),
+                        ("16,,24", "'' is not an integer")):
+        with pytest.raises(ValueError, match="--stated-budgets") as exc:
+            parse_stated_budgets(bad)
+        assert needle in str(exc.value), bad
+
+
+def _row(b, L, score):
+    return {"benchmark": benchmark_name(b), "index": 0, "sample": 0, "num_tokens": L, "score": score}
+
+
+def test_stated_rows_hand_worked_and_against_a_float64_recomputation():
+    samples = [_row(10, L, s) for L, s in ((9, 1.0), (10, 0.0), (12, 1.0), (11, 1.0))]
+    samples += [_row(1, L, s) for L, s in ((1, 0.0), (2, 1.0))]
+    samples += [_row(7, 3, 1.0)]  # a budget not asked for: not counted
+    by = {r["budget"]: r for r in stated_rows(samples, [10, 1])}
+    assert list(by) == [10, 1]
+    # budget 10: mean (9+10+12+11)/4 = 10.5; within 10% = |L-10| <= 1: 9, 10, 11 -> 3/4; over 10: 12, 11 -> 2/4
+    assert by[10] == {"budget": 10, "n": 4, "mean_length": 10.5, "length_ratio": 1.05, "pass@1": 0.75,
+                      "within_10": 0.75, "over_budget": 0.5}
+    # budget 1: within 10% = |L-1| <= 0.1 holds for L = 1 only; L = 2 is over
+    assert by[1] == {"budget": 1, "n": 2, "mean_length": 1.5, "length_ratio": 1.5, "pass@1": 0.5,
+                     "within_10": 0.5, "over_budget": 0.5}
+    with pytest.raises(ValueError, match="stated budget 5"):
+        stated_rows(samples, [5])
+    # random samples: float64 numpy recomputation, budgets interleaved in the rows
+    rng = np.random.default_rng(0)
+    budgets = [16, 24, 32, 40]
+    b_of = rng.choice(budgets, 400)
+    L = rng.integers(5, 70, 400)
+    s = rng.integers(0, 2, 400).astype(np.float64)
+    rows = stated_rows([_row(int(b), int(x), float(y)) for b, x, y in zip(b_of, L, s)], budgets)
+    for r in rows:
+        m = b_of == r["budget"]
+        Lb = L[m].astype(np.float64)
+        assert r["n"] == int(m.sum())
+        assert r["mean_length"] == pytest.approx(Lb.mean(), rel=1e-12)
+        assert r["length_ratio"] == pytest.approx(Lb.mean() / r["budget"], rel=1e-12)
+        assert r["pass@1"] == pytest.approx(s[m].mean(), rel=1e-12)
+        assert r["within_10"] == pytest.approx(np.mean(np.abs(Lb - r["budget"]) <= 0.1 * r["budget"]), rel=1e-12)
+        assert r["over_budget"] == pytest.approx(np.mean(Lb > r["budget"]), rel=1e-12)
+
+
+def test_the_stated_prompt_is_the_prompt_training_states():
+    """The evaluation states budget b exactly as GRPOTrainer._prompt_texts states a drawn target b."""
+    from laconic_nemo.eval.synthetic import benchmark_problems
+    from laconic_nemo.grpo.trainer import GRPOTrainer
+
+    cfg = load_config(L1)
+    problems = stated_problems(cfg, [16, 48], 20)
+    prompts = [(p.problem, p.answer) for p in benchmark_problems(cfg, 20)]
+    actor = SimpleNamespace(dp_rank=0, dp_size=1, dp_group=None)
+    trainer = GRPOTrainer(cfg, actor, encode=list, decode=str, prompts=prompts, reward_fn=None, eos_id=1)
+    texts, targets = trainer._prompt_texts(5, list(range(20)))
+    assert all(16 <= t <= 48 for t in targets) and len(set(targets)) > 5
+    assert texts == [stated_prompt(prompts[i][0], cfg.data.target_instruction, t) for i, t in enumerate(targets)]
+    for b in (16, 48):  # the recipe's instruction after the held-out problem, the same problems for every budget
+        assert [(p.problem, p.answer) for p in problems[benchmark_name(b)]] == [(t + f"max{b}\n", a)
+                                                                            for t, a in prompts]
+
+
+class _FakeBackend:
+    """Answers each prompt with a response whose length follows the stated budget: ``budget // 2`` filler tokens
+    (``length = budget // 2 + 9``), right for odd budgets, wrong for even ones; records the prompts."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, n, settings, seeds):
+        from laconic_nemo.eval.backends import Completion
+
+        out = []
+        for p in prompts:
+            self.prompts.append(p)
+            b = int(re.search(r"max(\d+)\n$", p).group(1))
+            answer = str(sum(int(c) for c in re.findall(r"[a-l](\d)", p.split("\n")[0])) % 10)
+            box = f"\\boxed{{{answer if b % 2 else (int(answer) + 1) % 10}}}"
+            text = "h" * (b // 2) + box
+            out.append([Completion(text, len(text), "stop") for _ in range(n)])
+        return out
+
+
+def test_stated_evaluation_table_json_and_plot_from_known_responses(tmp_path, capsys):
+    from laconic_nemo.eval.backends import EvalSampling
+    from laconic_nemo.eval.cli import _stated
+
+    cfg = load_config(L1)
+    backend = _FakeBackend()
+    args = SimpleNamespace(stated_budgets="17,24", synthetic_problems=14, seed=0, n_samples=2, limit=5,
+                           chunk_prompts=3, base_summary=None, output_dir=str(tmp_path))
+    assert _stated(args, cfg, backend, EvalSampling(1.0, 1.0, 96), "l1") == 0
+    assert len(backend.prompts) == 2 * 5 and {p[-6:] for p in backend.prompts} == {"max17\n", "max24\n"}
+    got = json.loads((tmp_path / "stated.json").read_text())
+    assert got["instruction"] == "max{target}\n" and got["model"] == "l1"
+    # 17: 8 fillers + 9 = 17 tokens, right; 24: 12 + 9 = 21 tokens (21/24 = 0.875, not within 10%), wrong
+    assert got["rows"] == [
+        {"budget": 17, "n": 10, "mean_length": 17.0, "length_ratio": 1.0, "pass@1": 1.0, "within_10": 1.0,
+         "over_budget": 0.0},
+        {"budget": 24, "n": 10, "mean_length": 21.0, "length_ratio": 0.875, "pass@1": 0.0, "within_10": 0.0,
+         "over_budget": 0.0}]
+    table = (tmp_path / "stated.md").read_text()
+    assert "| 17 | 17.0 | 1.00 | 1.000 | 1.000 | 0.000 |" in table
+    assert "| 24 | 21.0 | 0.88 | 0.000 | 0.000 | 0.000 |" in table
+    assert table in capsys.readouterr().out
+    assert (tmp_path / "stated_budgets.png").stat().st_size > 1000
+    # rerun with fewer samples: nothing generated again, the table counts this evaluation's samples only
+    args.n_samples, args.limit = 1, 2
+    assert _stated(args, cfg, backend, EvalSampling(1.0, 1.0, 96), "l1") == 0
+    assert len(backend.prompts) == 10
+    assert [r["n"] for r in json.loads((tmp_path / "stated.json").read_text())["rows"]] == [2, 2]
+
+
+def _run_dir(tmp_path, recipe, overrides=()):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(recipe, list(overrides))))
+    return run
+
+
+def test_stated_budgets_bad_input_is_refused_naming_the_flag(tmp_path, capsys):
+    from laconic_nemo.cli import main
+
+    run = _run_dir(tmp_path, L1)
+    base = ["eval", "--model", str(run), "--benchmarks", "synthetic", "--output-dir", str(tmp_path / "o")]
+    for value, needle in (("0", "--stated-budgets: budget 0 is invalid"), ("", "--stated-budgets = ''"),
+                          ("16,16", "--stated-budgets: budget 16 is given twice")):
+        assert main([*base, "--stated-budgets", value]) == 2
+        assert needle in capsys.readouterr().err
+    # the longest stated prompt (19 + len("max99999\n")) leaves 128 - 28 = 100 tokens; more is refused
+    assert main([*base, "--stated-budgets", "16,99999", "--max-tokens", "101"]) == 2
+    assert "--max-tokens = 101 is invalid: allowed 1..100" in capsys.readouterr().err
+    # a run whose instruction the synthetic tokenizer cannot encode (the L1 paper's default wording)
+    (tmp_path / "p").mkdir()
+    plain = _run_dir(tmp_path / "p", "tiny_cpu")
+    assert main(["eval", "--model", str(plain), "--benchmarks", "synthetic", "--output-dir", str(tmp_path / "o2"),
+                 "--stated-budgets", "16"]) == 2
+    assert "--stated-budgets: the run's data.target_instruction ' Think for {target} tokens.'" in \
+        capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--output-dir", str(tmp_path / "o3"), "--stated-budgets", "16"]) == 2
+    assert "--stated-budgets applies to --benchmarks synthetic only" in capsys.readouterr().err
+
+
+def test_warmup_teaches_the_reasoning_marker():
+    """A real one-process warm-up (megatron-core actor, the trainer's supervised_warmup) of a small model on the task
+    with reasoning_marker "ok.": its samples close their reasoning with the marker (marker, then the boxed answer)
+    in most cases."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from laconic_nemo.app.warmup import supervised_warmup
+    from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask, closes_reasoning
+    from laconic_nemo.eval.synthetic import MegatronBackend
+    from laconic_nemo.grpo.interfaces import SamplingParams
+    from laconic_nemo.runtime.megatron_env import destroy_distributed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = load_config("tiny_cpu", ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=128",
+                                   "model.max_position_embeddings=64", "data.synthetic.max_terms=4"])
+    tok = CharTokenizer()
+    task = SyntheticTask(min_terms=2, max_terms=4, max_filler=2, reasoning_marker="ok.")
+
+    def example(rng):
+        prompt, response = task.warmup_example(rng)
+        return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
+
+    try:
+        actor = MegatronBackend(cfg).actor
+        before = actor.generate([tok.encode(p.prompt) for p in task.problems(48, seed=123)],
+                                SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=40, eos_id=tok.eos_id,
+                                               seed=1))
+        actor.set_learning_rate(3e-3)
+        supervised_warmup(actor, example, 150, 32, 32, seed=0, pad_id=tok.pad_id, log=lambda s: None)
+        gen = actor.generate([tok.encode(p.prompt) for p in task.problems(48, seed=123)],
+                             SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=40, eos_id=tok.eos_id, seed=1))
+    finally:
+        destroy_distributed()
+        torch.set_num_threads(threads)
+
+    def share(g):
+        texts = [tok.decode(g.tokens[j, int(p): int(p) + int(n)].tolist())
+                 for j, (p, n) in enumerate(zip(g.prompt_lengths, g.lengths))]
+        return sum(closes_reasoning(t, "ok.") for t in texts) / len(texts)
+
+    assert share(before) == 0.0  # the untrained policy does not write it
+    assert share(gen) >= 0.75, share(gen)  # measured 0.94 (45 of 48) at 150 steps
+
+
+def test_train_refuses_a_synthetic_instruction_the_tokenizer_cannot_encode(tmp_path, capsys):
+    """A tiny-task run with stated targets is refused before anything starts when its data.target_instruction (the
+    L1 paper's default wording here) or its reasoning marker has characters the character tokenizer lacks."""
+    from laconic_nemo.cli import main
+
+    out = f"run.output_dir={tmp_path / 'out'}"
+    for overrides, needle in (
+            (["laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
+             "data.target_instruction = ' Think for {target} tokens.' is invalid"),
+            (["data.target_instruction=max", "laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
+             "data.target_instruction = 'max' is invalid: allowed a text holding {target}"),
+            (["data.synthetic.reasoning_marker=done"], "data.synthetic.reasoning_marker = 'done' is invalid")):
+        assert main(["train", "tiny_cpu", *overrides, out]) == 2
+        text = capsys.readouterr()
+        assert needle in text.err + text.out and "launching" not in text.out + text.err
+    load_config(L1)  # the tiny L1 recipe's instruction is accepted
+
+
+def test_the_marker_is_part_of_the_warmup_cache_key(tmp_path):
+    """A warm-up with a marker (other answers, another policy) never shares a cached policy with one without or with
+    another marker; without a marker the key holds no marker entry (the task's key before the option)."""
+    from laconic_nemo.app.warmup import warmup_cache_dir, warmup_cache_key
+
+    base = [f"warmup.cache_dir={tmp_path}"]
+    plain = load_config("tiny_cpu", base)
+    assert "reasoning_marker" not in warmup_cache_key(plain, 2, 1)["synthetic"]
+    marked = load_config(ROOT / "recipes" / "tiny_cpu_marker.yaml", base)
+    assert warmup_cache_key(marked, 2, 1)["synthetic"]["reasoning_marker"] == "ok."
+    dirs = {warmup_cache_dir(c, 2, 1) for c in (plain, marked, load_config("tiny_cpu", [*base, "data.synthetic."
+                                                                                        "reasoning_marker=hm."]))}
+    assert len(dirs) == 3

@@ -237,8 +237,9 @@ prompt with target_instruction, handed to the shaper. null: no targets (other sh
     target_lengths: Optional[List[int]] = opt(None, """a SET of stated targets, e.g. [500, 1000, 2000, 3000]: each prompt of each
 step draws one of them (the same function of run.seed, step and prompt as
 target_length_range; exclusive with it); null: none""")
-    target_instruction: str = opt(" Think for {target} tokens.", """appended to the prompt with a target; {target} (or {budget})
-is replaced by the prompt's target""")
+    target_instruction: str = opt(" Think for {target} tokens.", """the prompt's target stated with {target} (or {budget})
+replaced by it: at the end of the user turn, before the assistant turn of the
+chat template (data.kind = math); appended to the prompt (synthetic)""")
     budget_key: Optional[str] = opt(None, """data.kind = math: the JSONL / parquet field holding each prompt's budget B_i
 (laconic.per_prompt_budget); null: none""")
     budget_missing: str = opt("recipe", """a row without budget_key: recipe (B_i = laconic.budget) | refuse (the

@@ -185,3 +185,29 @@ def test_checkpoint_hook_writes_before_the_step_folder_and_is_pruned_with_it(tmp
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
     ref = torch.load(root / "step_000003" / "model_tp00_pp00.pt", weights_only=False)
     assert ref["nemo_checkpoint"] == str(root / "nemo" / "step_000003")
+
+
+def test_a_stated_target_is_the_users_words_inside_the_user_turn():
+    """With a chat template the instruction goes at the end of the user turn, before the assistant turn opens (for
+    deepseek_r1 not after "<think>\\n", where it would read as the model's own reasoning); plain: appended."""
+    from laconic_nemo.data.datasets import TEMPLATES, chat_messages, render
+
+    ov = ["laconic.shaper=l1_max", "data.target_lengths=[512,1024]", "data.kind=math", "reward.kind=math",
+          "data.prompt_template=deepseek_r1", "model.source=hf", "model.path=/nonexistent/hf"]
+    cfg = load_config(TINY, ov)
+    actor = SimpleNamespace(dp_rank=0, dp_size=1, dp_group=None)
+    prompts = [(render("deepseek_r1", f"What is {i}+1?"), str(i + 1)) for i in range(4)]
+    t = GRPOTrainer(cfg, actor, encode=list, decode=str, prompts=prompts, reward_fn=None, eos_id=1)
+    texts, targets = t._prompt_texts(2, [0, 3])
+    for text, i, n in zip(texts, [0, 3], targets):
+        assert text == (f"<｜begin▁of▁sentence｜><｜User｜>What is {i}+1? Let's think step by step and output the final "
+                        f"answer within \\boxed{{}}. Think for {n} tokens.<｜Assistant｜><think>\n")
+    # every template: the instruction ends the user's message of the template's own chat turns
+    from laconic_nemo.data.datasets import state_in_user_turn
+
+    for name in TEMPLATES:
+        stated = state_in_user_turn(name, render(name, " 2+2? "), " Think for 7 tokens.")
+        turns = chat_messages(name, " 2+2? ")
+        user = (turns[-1]["content"] if turns else render(name, " 2+2? ")) + " Think for 7 tokens."
+        assert user in stated and stated.index(user) + len(user) == len(stated) - len(
+            stated.split(" Think for 7 tokens.")[-1]), name

@@ -82,6 +82,28 @@ def render(template: str, problem: str) -> str:
     return TEMPLATES[template].replace("{{}}", "{}").replace("{problem}", problem)
 
 
+# What a rendered prompt of each template ends with after the user's text: the end of the user turn and the
+# opening of the assistant's (empty for `plain`, whose prompt is the user's text alone).
+_USER_TURN_END = {
+    "deepseek_r1": "<｜Assistant｜><think>\n",
+    "deepseek_r1_easyr1_math": "<｜Assistant｜><think>\n",
+    "qwen_chat": "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3_easyr1_math": "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen_math_easyr1_math": "<|im_end|>\n<|im_start|>assistant\n",
+    "plain": "",
+}
+
+
+def state_in_user_turn(template: str, prompt: str, text: str) -> str:
+    """``prompt`` (rendered with ``template``) with ``text`` (e.g. the L1 "Think for 512 tokens.") added at the end
+    of the USER turn, before the assistant turn opens: the instruction is the user's words, as in L1 (arXiv
+    2503.04697), not the first words of the model's own reasoning. ``plain``: appended."""
+    end = _USER_TURN_END[template]
+    if not prompt.endswith(end):
+        raise ValueError(f"the prompt does not end with the {template!r} template's assistant turn {end!r}")
+    return prompt[: len(prompt) - len(end)] + text + end
+
+
 def _utf8_text(path: Path) -> str:
     """The text of ``path``; bytes that are not UTF-8 raise ValueError naming the line and column."""
     raw = path.read_bytes()

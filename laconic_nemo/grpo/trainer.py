@@ -295,6 +295,12 @@ class GRPOTrainer:
                 lo, hi = d.target_length_range
                 targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
         instruction = str(d.target_instruction)
+        if d.kind == "math":  # the user's words, inside the user turn of the chat template
+            from laconic_nemo.data.datasets import state_in_user_turn
+
+            template = str(d.prompt_template)
+            return [state_in_user_turn(template, t, instruction.format(target=n, budget=n))
+                    for t, n in zip(texts, targets)], targets
         return [t + instruction.format(target=n, budget=n) for t, n in zip(texts, targets)], targets
 
     def _grade(self, texts, answers):

@@ -227,7 +227,7 @@ def test_train_refuses_a_synthetic_instruction_the_tokenizer_cannot_encode(tmp_p
             (["laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
              "data.target_instruction = ' Think for {target} tokens.' is invalid"),
             (["data.target_instruction=max", "laconic.shaper=l1_max", "data.target_length_range=[16,48]"],
-             "data.target_instruction = 'max' is invalid: allowed a text holding {target}"),
+             "data.target_instruction = 'max' is invalid: allowed a te"),  # a template / a text holding {target}
             (["data.synthetic.reasoning_marker=done"], "data.synthetic.reasoning_marker = 'done' is invalid")):
         assert main(["train", "tiny_cpu", *overrides, out]) == 2
         text = capsys.readouterr()

@@ -42,9 +42,13 @@ class ScriptedActor(SimpleNamespace):
         return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
 
 
+# a stated target on the tiny task is written in its tokenizer's characters (the default wording is refused)
+SYNTHETIC_INSTRUCTION = "data.target_instruction=m{target}"
+
+
 def make(overrides, out, dp_rank=0, dp_size=1):
     cfg = load_config(TINY, [f"run.output_dir={out}", "grpo.num_prompts_per_step=16", "grpo.minibatch_size=128",
-                             *overrides])
+                             SYNTHETIC_INSTRUCTION, *overrides])
     return GRPOTrainer(cfg, ScriptedActor(dp_rank=dp_rank, dp_size=dp_size, dp_group=None), encode=encode,
                        decode=str, prompts=[(f"P{i}", "1") for i in range(50)],
                        reward_fn=lambda texts, answers: ([1.0] * len(texts), {}), eos_id=1)
@@ -70,7 +74,7 @@ def test_each_budget_class_moves_its_own_multiplier(tmp_path):
     m = t.train_step(0)
     texts, targets = t._prompt_texts(0, t.sampler.batch(0))
     counts = {b: targets.count(b) for b in (20, 45, 90)}
-    assert all(f"Think for {b} tokens." in x for x, b in zip(texts, targets))
+    assert all(x.endswith(f"m{b}") for x, b in zip(texts, targets))
     for b in (20, 45, 90):
         key = f"laconic/length_ratio/class_{b}"
         if counts[b] == 0:                       # a class without a prompt this step: no ratio, multiplier kept
@@ -128,7 +132,7 @@ def test_all_constraints_state_round_trips_through_the_checkpoint(tmp_path):
 def test_bad_constraint_config_is_refused_naming_the_key(override, key):
     # "<key> = <value> is invalid: allowed ...", not the unknown-key message of a schema without the key
     with pytest.raises(ConfigError, match=key.replace(".", r"\.") + " = .* is invalid: allowed"):
-        load_config(TINY, override)
+        load_config(TINY, [SYNTHETIC_INSTRUCTION, *override])
 
 
 def test_bins_group_stated_targets(tmp_path):
@@ -201,7 +205,7 @@ def test_l1_shapers_take_a_set_of_stated_targets(tmp_path):
     the shaper reads it (L1-Max: 1[correct] clip(alpha (n_gold - L) + 0.5, 0, 1))."""
     t = make(["laconic.shaper=l1_max", "laconic.alpha=0.01", "data.target_lengths=[20,60]"], tmp_path)
     texts, targets = t._prompt_texts(0, t.sampler.batch(0))
-    assert set(targets) == {20, 60} and all(x.endswith(f" Think for {n} tokens.") for x, n in zip(texts, targets))
+    assert set(targets) == {20, 60} and all(x.endswith(f"m{n}") for x, n in zip(texts, targets))
     m = t.train_step(0)
     L = [10, 20, 30, 40, 50, 60, 70, 80]
     gaps = [abs(n - x) for n in targets for x in L]

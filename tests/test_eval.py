@@ -147,3 +147,45 @@ def test_eval_end_to_end_and_resume(tiny_model_dir, tmp_path):
                  grader=grader, log=lambda s: None)
     assert backend.calls == 0
     assert os.path.exists(out / "summary.json")
+
+
+def test_stated_budgets_on_the_math_benchmarks(tiny_model_dir, tmp_path, capsys):
+    """--stated-budgets with math benchmarks: each problem asked once per budget, the budget stated at the end of the
+    user turn (after the evaluation's instruction, inside the chat template), graded by the math reward; the
+    per-budget table recomputed here from the samples."""
+    from laconic_nemo.cli import main
+    from laconic_nemo.eval.stated import math_stated_problems
+
+    problems = math_stated_problems(["aime2024", "math500"], [3, 5], " Think for at most {budget} tokens.", limit=2)
+    first = load_benchmark("aime2024", 1)[0].problem
+    assert build_prompt(problems["stated_3"][0].problem[: -len(f"\n{INSTRUCTION} Think for at most 3 tokens.")],
+                        char_tokenizer(), " Think for at most 3 tokens.") == \
+        f"<|user|>{first}\n{INSTRUCTION} Think for at most 3 tokens.<|assistant|>"
+    assert [len(v) for v in problems.values()] == [4, 4] and [p.index for p in problems["stated_5"]] == [0, 1, 2, 3]
+
+    out = tmp_path / "stated"
+    rc = main(["eval", "--model", tiny_model_dir, "--backend", "transformers", "--benchmarks", "aime2024,math500",
+               "--stated-budgets", "3,5", "--target-instruction", " Think for at most {budget} tokens.",
+               "--n-samples", "2", "--max-tokens", "6", "--limit", "2", "--output-dir", str(out),
+               "--grader-workers", "0", "--name", "tiny"])
+    assert rc == 0
+    rows = read_samples(str(out / SAMPLES))
+    assert {(r["benchmark"], r["index"], r["sample"]) for r in rows} == \
+        {(f"stated_{b}", i, s) for b in (3, 5) for i in range(4) for s in range(2)}
+    table = json.loads((out / "stated.json").read_text())["rows"]
+    for got, b in zip(table, (3, 5)):
+        lengths = [r["num_tokens"] for r in rows if r["benchmark"] == f"stated_{b}"]
+        scores = [r["score"] for r in rows if r["benchmark"] == f"stated_{b}"]
+        assert got["budget"] == b and got["n"] == 8
+        assert got["mean_length"] == pytest.approx(sum(lengths) / 8)
+        assert got["pass@1"] == pytest.approx(sum(scores) / 8)
+        assert got["over_budget"] == pytest.approx(sum(x > b for x in lengths) / 8)
+    assert "| 3 |" in capsys.readouterr().out
+
+    for flags, needle in ((["--stated-budgets", "0"], "--stated-budgets: budget 0 is invalid"),
+                          (["--stated-budgets", "5", "--target-instruction", " Be brief."],
+                           "--target-instruction = ' Be brief.' is invalid"),
+                          (["--stated-budgets", "5", "--choice-files", "x=y.jsonl"], "exclude each other")):
+        assert main(["eval", "--model", tiny_model_dir, "--backend", "transformers", "--output-dir",
+                     str(tmp_path / "bad"), *flags]) == 2
+        assert needle in capsys.readouterr().err

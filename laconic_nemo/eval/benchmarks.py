@@ -61,10 +61,16 @@ def load_benchmark(name: str, limit: int | None = None, data_dir: str | None = N
     return [Problem(name, i, r["problem"], r["answer"]) for i, r in enumerate(rows)]
 
 
-def build_prompt(problem: str, tokenizer=None) -> str:
-    """DeepSeek-R1 style prompt: the problem followed by :data:`INSTRUCTION` as the user turn, wrapped in
-    the tokenizer's chat template (with the generation prompt) when it has one; plain text otherwise."""
-    user = f"{problem}\n{INSTRUCTION}"
+def build_prompt(problem: str, tokenizer=None, stated: str = "") -> str:
+    """DeepSeek-R1 style prompt: the problem followed by :data:`INSTRUCTION` (and ``stated``, a budget stated to
+    the model, e.g. " Think for 1000 tokens.") as the user turn, wrapped in the tokenizer's chat template (with the
+    generation prompt) when it has one; plain text otherwise."""
+    return chat_prompt(f"{problem}\n{INSTRUCTION}{stated}", tokenizer)
+
+
+def chat_prompt(user: str, tokenizer=None) -> str:
+    """``user`` as the one user turn of the tokenizer's chat template (with the generation prompt) when it has one;
+    plain text otherwise."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                              add_generation_prompt=True)

@@ -26,10 +26,14 @@ def register(subparsers) -> None:
     p.add_argument("--synthetic-problems", type=int, default=512,
                    help="synthetic: held-out problems asked for (fewer when a number of terms has too few unseen)")
     p.add_argument("--stated-budgets", default=None,
-                   help="synthetic: comma-separated budgets (e.g. 16,24,32); every held-out problem is asked once per "
-                        "budget, stated in the prompt by the run's data.target_instruction; prints per budget the "
+                   help="comma-separated budgets (e.g. 16,24,32 or 500,1000,2000); every problem is asked once per "
+                        "budget, stated in the prompt (synthetic: by the run's data.target_instruction; math "
+                        "benchmarks: by --target-instruction at the end of the user turn); prints per budget the "
                         "mean length, mean length / budget, pass@1 and the share within 10%%, writes stated.md, "
                         "stated.json and stated_budgets.png")
+    p.add_argument("--target-instruction", default=" Think for {target} tokens.",
+                   help="math benchmarks with --stated-budgets: the text stating a budget, {target} (or {budget}) "
+                        "replaced by it; give the run's data.target_instruction (default: the schema's, L1's wording)")
     p.add_argument("--warmed-up", action="store_true",
                    help="synthetic: evaluate the run's cached warm-up policy (its RL starting point, the base)")
     p.add_argument("--warmup-cache", default=None,
@@ -68,7 +72,17 @@ def check_args(args) -> str | None:
     if args.warmed_up:
         return "--warmed-up applies to --benchmarks synthetic only"
     if getattr(args, "stated_budgets", None) is not None:
-        return "--stated-budgets applies to --benchmarks synthetic only"
+        from laconic_nemo.eval.stated import check_instruction, parse_stated_budgets
+
+        if args.choice_files is not None:
+            return "--stated-budgets and --choice-files exclude each other"
+        try:
+            parse_stated_budgets(args.stated_budgets)
+        except ValueError as exc:
+            return str(exc)
+        error = check_instruction(str(args.target_instruction), "--target-instruction")
+        if error:
+            return error
     if not os.path.isdir(model):
         what = "is a file" if os.path.exists(model) else "does not exist"
         return (f"--model {args.model!r} {what}: give a local Hugging Face checkpoint folder (with config.json); "
@@ -143,8 +157,8 @@ def _check_synthetic(args) -> str | None:
         except ValueError as exc:
             return str(exc)
         instruction = str(cfg.data.target_instruction)
-        missing = sorted(set(instruction.replace("{target}", "")) - set(SYNTHETIC_ALPHABET))
-        if "{target}" not in instruction or missing:
+        missing = sorted(set(instruction.replace("{target}", "").replace("{budget}", "")) - set(SYNTHETIC_ALPHABET))
+        if ("{target}" not in instruction and "{budget}" not in instruction) or missing:
             return (f"--stated-budgets: the run's data.target_instruction {instruction!r} cannot state a budget to the "
                     "synthetic task (allowed a text holding {target}, in the synthetic tokenizer's characters"
                     + (f"; not encodable: {missing}" if missing else "") + ")")
@@ -288,10 +302,36 @@ def main(args) -> int:
                  model_name=name, base_summary=args.base_summary, problems=problems,
                  prompt_fn=lambda text: chat_prompt(text, tokenizer))
         return 0
+    if args.stated_budgets is not None:
+        return _stated_math(args, backend, benchmarks, sampling, name)
     with MathReward(num_workers=args.grader_workers) as grader:
         evaluate(backend, benchmarks, args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
                  grader=grader, seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
                  base_summary=args.base_summary)
+    return 0
+
+
+def _stated_math(args, backend, benchmarks: list[str], sampling, name: str) -> int:
+    """``--stated-budgets`` on the math benchmarks: one benchmark ``stated_<b>`` per budget (every problem of
+    ``benchmarks`` with b stated at the end of its user turn), graded by the math reward; the per-budget table."""
+    from laconic_nemo.eval.benchmarks import chat_prompt
+    from laconic_nemo.eval.runner import evaluate
+    from laconic_nemo.eval.stated import math_stated_problems, parse_stated_budgets, report_from_samples
+    from laconic_nemo.rewards import MathReward
+
+    budgets = parse_stated_budgets(args.stated_budgets)
+    problems = math_stated_problems(benchmarks, budgets, args.target_instruction, args.limit)
+    tokenizer = getattr(backend, "tokenizer", None)
+    with MathReward(num_workers=args.grader_workers) as grader:
+        evaluate(backend, list(problems), args.output_dir, n_samples=args.n_samples, sampling=sampling,
+                 grader=grader, seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name, problems=problems,
+                 prompt_fn=lambda user: chat_prompt(user, tokenizer))
+    table = report_from_samples(args.output_dir, problems, budgets, None, args.n_samples, name, {
+        "instruction": str(args.target_instruction), "benchmarks": benchmarks, "n_samples": args.n_samples,
+        "limit": args.limit, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens, "seed": args.seed})
+    print(f"{name}: stated budgets (user turn + {str(args.target_instruction)!r})")
+    print(table, end="")
     return 0
 
 

@@ -58,6 +58,39 @@ def stated_prompt(prompt: str, instruction: str, budget: int) -> str:
     return prompt + str(instruction).format(target=int(budget), budget=int(budget))
 
 
+def math_stated_problems(benchmarks: Iterable[str], budgets: Iterable[int], instruction: str,
+                         limit: int | None = None, data_dir: str | None = None) -> dict[str, list]:
+    """``stated_<b>`` -> the first ``limit`` problems of each math benchmark (numbered across them), each as the
+    user turn of :func:`laconic_nemo.eval.benchmarks.build_prompt` with ``instruction`` stating b at its end (where
+    the trainer states a target, ``laconic_nemo.data.datasets.state_in_user_turn``); the same problems for every
+    budget. The problem text is the whole user turn: wrap it with ``chat_prompt``."""
+    from laconic_nemo.eval.benchmarks import INSTRUCTION, Problem, load_benchmark
+
+    base = [p for b in benchmarks for p in load_benchmark(b, limit, data_dir)]
+    return {benchmark_name(b): [Problem(benchmark_name(b), i, f"{p.problem}\n{INSTRUCTION}"
+                                        + str(instruction).format(target=int(b), budget=int(b)), p.answer)
+                                for i, p in enumerate(base)] for b in budgets}
+
+
+def check_instruction(instruction: str, flag: str) -> str | None:
+    """None when ``instruction`` can state a budget ({target} or {budget}), else the error naming ``flag``."""
+    if "{target}" not in instruction and "{budget}" not in instruction:
+        return f"{flag} = {instruction!r} is invalid: allowed a text holding {{target}} or {{budget}}"
+    return None
+
+
+def report_from_samples(output_dir: str, problems: dict[str, list], budgets: list[int], limit: int | None,
+                        n_samples: int, name: str, settings: dict) -> str:
+    """The table of this evaluation's samples (an output folder may hold more, from an earlier one with other
+    settings), written by :func:`write_report`; returns the table."""
+    from laconic_nemo.eval.runner import SAMPLES, read_samples
+
+    asked = {(b, p.index) for b, ps in problems.items() for p in ps[:limit]}
+    samples = [r for r in read_samples(os.path.join(output_dir, SAMPLES))
+               if (r["benchmark"], r["index"]) in asked and r["sample"] < n_samples]
+    return write_report(output_dir, name, stated_rows(samples, budgets), settings)
+
+
 def benchmark_name(budget: int) -> str:
     return f"{PREFIX}{int(budget)}"
 

@@ -42,6 +42,27 @@ PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
 SYNTHETIC_MAX_TERMS = 12
 # the characters of the synthetic task's tokenizer (laconic_nemo.data.synthetic.ALPHABET; a test checks)
 SYNTHETIC_ALPHABET = "0123456789:,Q\n\\boxed{}hm. abcdefghijkl"
+# the placeholders a stated-target instruction (data.target_instruction) is written with
+TARGET_PLACEHOLDERS = ("{target}", "{budget}")
+
+
+def states_a_target(instruction: str) -> bool:
+    """Whether ``instruction`` holds a placeholder for the stated target ({target} or {budget})."""
+    return any(p in instruction for p in TARGET_PLACEHOLDERS)
+
+
+def state_target(instruction: str, target: int) -> str:
+    """``instruction`` stating ``target``: its {target} and {budget} replaced by the number."""
+    return str(instruction).format(target=int(target), budget=int(target))
+
+
+def synthetic_unencodable(text: str, template: bool = False) -> list[str]:
+    """The characters of ``text`` the synthetic task's character tokenizer lacks, sorted (placeholders of a
+    ``template`` aside)."""
+    if template:
+        for p in TARGET_PLACEHOLDERS:
+            text = text.replace(p, "")
+    return sorted(set(text) - set(SYNTHETIC_ALPHABET))
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -210,7 +231,7 @@ Pair it with laconic.reasoning_marker (the same string) for a reasoning-only bud
     def __post_init__(self):
         marker = self.reasoning_marker
         if marker is not None:
-            missing = sorted(set(marker) - set(SYNTHETIC_ALPHABET))
+            missing = synthetic_unencodable(marker)
             _require(bool(marker) and not missing, "data.synthetic.reasoning_marker",
                      "a non-empty string of the synthetic tokenizer's characters "
                      f"{SYNTHETIC_ALPHABET!r}" + (f" (not encodable: {missing})" if missing else ""), marker)
@@ -259,7 +280,7 @@ data check names the file and row)""", choices=("recipe", "refuse"))
             _require(rng is None, "data.target_lengths", "null when data.target_length_range is set (one source of "
                      "stated targets)", list(tl))
         if rng is not None or tl is not None:
-            _require("{target}" in self.target_instruction or "{budget}" in self.target_instruction,
+            _require(states_a_target(self.target_instruction),
                      "data.target_instruction", "a template with {target} or {budget} (where the prompt states its "
                      "target)", self.target_instruction)
         if self.budget_key is not None:
@@ -544,8 +565,8 @@ class Config:
         if self.data.kind == "synthetic" and self.data.stated_budgets() is not None:
             # the stated target reaches the prompt through the synthetic task's character tokenizer
             text = str(self.data.target_instruction)
-            missing = sorted(set(text.replace("{target}", "").replace("{budget}", "")) - set(SYNTHETIC_ALPHABET))
-            _require(("{target}" in text or "{budget}" in text) and not missing, "data.target_instruction",
+            missing = synthetic_unencodable(text, template=True)
+            _require(states_a_target(text) and not missing, "data.target_instruction",
                      "a text holding {target} (or {budget}), in the synthetic tokenizer's characters "
                      f"{SYNTHETIC_ALPHABET!r} with data.kind = synthetic"
                      + (f" (not encodable: {missing})" if missing else ""), text)

@@ -65,7 +65,12 @@ def build_prompt(problem: str, tokenizer=None, stated: str = "") -> str:
     """DeepSeek-R1 style prompt: the problem followed by :data:`INSTRUCTION` (and ``stated``, a budget stated to
     the model, e.g. " Think for 1000 tokens.") as the user turn, wrapped in the tokenizer's chat template (with the
     generation prompt) when it has one; plain text otherwise."""
-    return chat_prompt(f"{problem}\n{INSTRUCTION}{stated}", tokenizer)
+    return chat_prompt(user_turn(problem, stated), tokenizer)
+
+
+def user_turn(problem: str, stated: str = "") -> str:
+    """The evaluation's user turn: the problem, :data:`INSTRUCTION`, then ``stated`` (a stated budget, or nothing)."""
+    return f"{problem}\n{INSTRUCTION}{stated}"
 
 
 def chat_prompt(user: str, tokenizer=None) -> str:

@@ -149,7 +149,7 @@ def _check_synthetic(args) -> str | None:
                 "synthetic-task run (data.kind = synthetic)")
     longest_prompt = 2 + 2 * int(cfg.data.synthetic.max_terms) + 1
     if getattr(args, "stated_budgets", None) is not None:
-        from laconic_nemo.config import SYNTHETIC_ALPHABET
+        from laconic_nemo.config import states_a_target, synthetic_unencodable
         from laconic_nemo.eval.stated import parse_stated_budgets, stated_prompt
 
         try:
@@ -157,8 +157,8 @@ def _check_synthetic(args) -> str | None:
         except ValueError as exc:
             return str(exc)
         instruction = str(cfg.data.target_instruction)
-        missing = sorted(set(instruction.replace("{target}", "").replace("{budget}", "")) - set(SYNTHETIC_ALPHABET))
-        if ("{target}" not in instruction and "{budget}" not in instruction) or missing:
+        missing = synthetic_unencodable(instruction, template=True)
+        if not states_a_target(instruction) or missing:
             return (f"--stated-budgets: the run's data.target_instruction {instruction!r} cannot state a budget to the "
                     "synthetic task (allowed a text holding {target}, in the synthetic tokenizer's characters"
                     + (f"; not encodable: {missing}" if missing else "") + ")")
@@ -369,8 +369,8 @@ def _main_synthetic(args) -> int:
 def _stated(args, cfg, backend, sampling, name: str) -> int:
     """``--stated-budgets``: one benchmark ``stated_<b>`` per budget in one resumable evaluation, then the
     per-budget table (:mod:`laconic_nemo.eval.stated`)."""
-    from laconic_nemo.eval.runner import SAMPLES, evaluate, read_samples
-    from laconic_nemo.eval.stated import parse_stated_budgets, stated_problems, stated_rows, write_report
+    from laconic_nemo.eval.runner import evaluate
+    from laconic_nemo.eval.stated import parse_stated_budgets, report_from_samples, stated_problems
     from laconic_nemo.eval.synthetic import ExactAnswerGrader
 
     budgets = parse_stated_budgets(args.stated_budgets)
@@ -378,12 +378,7 @@ def _stated(args, cfg, backend, sampling, name: str) -> int:
     evaluate(backend, list(problems), args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
              grader=ExactAnswerGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
              base_summary=args.base_summary, problems=problems, prompt_fn=lambda text: text)
-    # the samples of this evaluation (an output folder may hold more, from an earlier one with other settings)
-    asked = {(b, p.index) for b, ps in problems.items() for p in ps[:args.limit]}
-    samples = [r for r in read_samples(os.path.join(args.output_dir, SAMPLES))
-               if (r["benchmark"], r["index"]) in asked and r["sample"] < args.n_samples]
-    rows = stated_rows(samples, budgets)
-    table = write_report(args.output_dir, name, rows, {
+    table = report_from_samples(args.output_dir, problems, budgets, args.limit, args.n_samples, name, {
         "instruction": str(cfg.data.target_instruction), "n_samples": args.n_samples, "limit": args.limit,
         "synthetic_problems": args.synthetic_problems, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens, "seed": args.seed})

@@ -55,7 +55,9 @@ def parse_stated_budgets(text: str, flag: str = "--stated-budgets") -> list[int]
 def stated_prompt(prompt: str, instruction: str, budget: int) -> str:
     """The prompt stating ``budget``: ``prompt + instruction.format(target=budget, budget=budget)``, the rule by
     which training states each prompt's target (``GRPOTrainer._prompt_texts``; a test holds the two equal)."""
-    return prompt + str(instruction).format(target=int(budget), budget=int(budget))
+    from laconic_nemo.config import state_target
+
+    return prompt + state_target(instruction, budget)
 
 
 def math_stated_problems(benchmarks: Iterable[str], budgets: Iterable[int], instruction: str,
@@ -64,17 +66,19 @@ def math_stated_problems(benchmarks: Iterable[str], budgets: Iterable[int], inst
     user turn of :func:`laconic_nemo.eval.benchmarks.build_prompt` with ``instruction`` stating b at its end (where
     the trainer states a target, ``laconic_nemo.data.datasets.state_in_user_turn``); the same problems for every
     budget. The problem text is the whole user turn: wrap it with ``chat_prompt``."""
-    from laconic_nemo.eval.benchmarks import INSTRUCTION, Problem, load_benchmark
+    from laconic_nemo.config import state_target
+    from laconic_nemo.eval.benchmarks import Problem, load_benchmark, user_turn
 
     base = [p for b in benchmarks for p in load_benchmark(b, limit, data_dir)]
-    return {benchmark_name(b): [Problem(benchmark_name(b), i, f"{p.problem}\n{INSTRUCTION}"
-                                        + str(instruction).format(target=int(b), budget=int(b)), p.answer)
-                                for i, p in enumerate(base)] for b in budgets}
+    return {benchmark_name(b): [Problem(benchmark_name(b), i, user_turn(p.problem, state_target(instruction, b)),
+                                        p.answer) for i, p in enumerate(base)] for b in budgets}
 
 
 def check_instruction(instruction: str, flag: str) -> str | None:
     """None when ``instruction`` can state a budget ({target} or {budget}), else the error naming ``flag``."""
-    if "{target}" not in instruction and "{budget}" not in instruction:
+    from laconic_nemo.config import states_a_target
+
+    if not states_a_target(instruction):
         return f"{flag} = {instruction!r} is invalid: allowed a text holding {{target}} or {{budget}}"
     return None
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from laconic_nemo.config import Config, check_layout, defaults, to_dict, to_yaml
+from laconic_nemo.config import Config, check_layout, defaults, state_target, to_dict, to_yaml
 from laconic_nemo.core import (
     BudgetClasses,
     TailConstraint,
@@ -299,9 +299,8 @@ class GRPOTrainer:
             from laconic_nemo.data.datasets import state_in_user_turn
 
             template = str(d.prompt_template)
-            return [state_in_user_turn(template, t, instruction.format(target=n, budget=n))
-                    for t, n in zip(texts, targets)], targets
-        return [t + instruction.format(target=n, budget=n) for t, n in zip(texts, targets)], targets
+            return [state_in_user_turn(template, t, state_target(instruction, n)) for t, n in zip(texts, targets)], targets
+        return [t + state_target(instruction, n) for t, n in zip(texts, targets)], targets
 
     def _grade(self, texts, answers):
         """Grade on the first rank of the model-parallel group and broadcast (identical inputs there)."""

@@ -116,24 +116,12 @@ def main(argv=None) -> int:
     evals += [(label, evaluate(results / name, results / f"eval_{name}", args)) for name, _r, _o, label in todo]
     text = block(evals, made, args)
     print(text)
-    readme = ROOT / "README.md"
-    current = readme.read_text()
-    a, b = current.find(BEGIN), current.find(END)
-    if a < 0 or b < a:
-        raise SystemExit(f"[stated-budgets] README.md has no block between {BEGIN!r} and {END!r}")
-    b += len(END)
-    if args.write:
-        from laconic_nemo.eval.stated import plot
+    from laconic_nemo.eval.stated import plot
 
-        readme.write_text(current[:a] + text + current[b:])
-        plot(str(ROOT / "docs" / "stated_budgets.png"), [(short(label), ev["rows"]) for label, ev in evals])
-        say("wrote README.md and docs/stated_budgets.png")
-    elif args.check:
-        if current[a:b] != text:
-            say("README.md's stated-budget block differs from these evaluations (above); --write replaces it")
-            return 1
-        say("README.md's stated-budget block is what these evaluations give")
-    return 0
+    return tiny_runs.update_readme(
+        text, BEGIN, END, args, "stated-budget block", "these evaluations", "docs/stated_budgets.png",
+        lambda: plot(str(ROOT / "docs" / "stated_budgets.png"), [(short(label), ev["rows"]) for label, ev in evals]),
+        tell=say)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,27 @@ def readme_block(text: str, begin: str = BEGIN, end: str = END) -> tuple[int, in
     return a, b + len(end)
 
 
+def update_readme(text: str, begin: str, end: str, args, block: str, source: str, figure: str | None = None,
+                  draw=None, tell=say) -> int:
+    """README.md's block between ``begin`` and ``end``: with ``--write`` replaced by ``text`` (and ``draw()`` writes
+    ``figure``, a path under the repository), with ``--check`` compared with it (1 when it differs); ``block`` and
+    ``source`` name the block and what made it in the messages given to ``tell``. Returns the exit status."""
+    readme = ROOT / "README.md"
+    current = readme.read_text()
+    a, b = readme_block(current, begin, end)
+    if args.write:
+        readme.write_text(current[:a] + text + current[b:])
+        if figure is not None:
+            draw()
+        tell("wrote README.md" + ("" if figure is None else f" and {figure}"))
+    elif args.check:
+        if current[a:b] != text:
+            tell(f"README.md's {block} differs from {source} (above); --write replaces it")
+            return 1
+        tell(f"README.md's {block} is what {source} give")
+    return 0
+
+
 def plot(results: Path, png: Path) -> None:
     from laconic_nemo.app.plots import plot_training_curves
 
@@ -345,20 +366,10 @@ def main(argv=None) -> int:
         train(name, recipe, over, results, k, len(jobs))
     text = constraint_block(results, made) if args.constraints else block(results, made, seeds)
     print(text)
-    readme = ROOT / "README.md"
-    current = readme.read_text()
-    a, b = readme_block(current, *((C_BEGIN, C_END) if args.constraints else (BEGIN, END)))
-    if args.write:
-        readme.write_text(current[:a] + text + current[b:])
-        if not args.constraints:
-            plot(results, ROOT / "docs" / "tiny_cpu_curves.png")
-        say("wrote README.md" + ("" if args.constraints else " and docs/tiny_cpu_curves.png"))
-    elif args.check:
-        if current[a:b] != text:
-            say("README.md's tiny-run block differs from these runs (above); --write replaces it")
-            return 1
-        say("README.md's tiny-run block is what these runs give")
-    return 0
+    if args.constraints:
+        return update_readme(text, C_BEGIN, C_END, args, "tiny-run block", "these runs")
+    return update_readme(text, BEGIN, END, args, "tiny-run block", "these runs", "docs/tiny_cpu_curves.png",
+                         lambda: plot(results, ROOT / "docs" / "tiny_cpu_curves.png"))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ def main() -> None:
     (out / f"example.rank{rank}.json").write_text(json.dumps({
         "global_step": trainer.state.global_step, "history": laconic.history,
         "logged_lambda": [e["laconic/lambda"] for e in trainer.state.log_history if "laconic/lambda" in e]}))
+    # leave the process group before the interpreter exits: a gloo group torn down at exit can abort a rank
+    # ("terminate called without an active exception", status -6) after all its work is written
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

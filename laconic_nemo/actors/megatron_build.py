@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from laconic_nemo.config import ModelConfig
-from laconic_nemo.runtime.kernels import fusion_flags, resolve_attention, with_core_attention
+from laconic_nemo.runtime.kernels import fusion_flags, resolve_attention, rotate_packed_rows, with_core_attention
 from laconic_nemo.runtime.megatron_env import ParallelInfo
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -102,11 +102,12 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, on_gpu: bool)
 def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embeddings: int, pre_process: bool,
                     post_process: bool, attention: str = "local"):
     """megatron-core GPTModel with the local layer spec, core attention ``attention`` (a resolved
-    ``model.attention``, see :mod:`laconic_nemo.runtime.kernels`), RoPE, untied output."""
+    ``model.attention``, see :mod:`laconic_nemo.runtime.kernels`), RoPE (per token in packed micro-batches:
+    :func:`laconic_nemo.runtime.kernels.rotate_packed_rows`), untied output."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    return GPTModel(
+    return rotate_packed_rows(GPTModel(
         config=tconfig,
         transformer_layer_spec=with_core_attention(get_gpt_layer_local_spec(), attention),
         vocab_size=padded_vocab_size,
@@ -116,7 +117,7 @@ def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embedding
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
-    )
+    ), attention)
 
 
 def wrap_model(model_provider: ModelProvider, transformer_config: Any, device: torch.device) -> list:

@@ -14,8 +14,10 @@ the optimiser steps, ``gpu_step.train_flops``, over their seconds, against the H
 peak and a bf16 matmul measured in the run), peak device memory, the packed-attention kernel, and the projected
 wall time of the paper's 500-step run on 16 GPUs (each GPU doing this rank's step; the checkpoint at the
 flagship's ``checkpoint.every_n_steps``; not measured: the DP gradient all-reduce over 16 GPUs, grading real
-math answers). The phases come from the trainer's ``time/<phase>`` metrics (metrics.jsonl); the checkpoint at
-the end and the optimiser steps' rows are recorded by wrapping the trainer's and the actor's methods.
+math answers). The phases come from the trainer's ``time/<phase>`` metrics (what metrics.jsonl receives); the
+checkpoint at the end and the optimiser steps' rows are recorded by wrapping the trainer's and the actor's methods.
+The phase table, MFU and peak memory are printed right after the last step, before the final checkpoint (about
+25 GB of weights and Adam state at this shape), so a time cap that cuts the checkpoint still leaves them.
 
 Random weights rarely draw EOS out of 151,936 ids, so responses run to L_max: an upper bound on a step's work
 (the paper's starting lengths average ~3,000 of 4,096). On CPU: a tiny Qwen2 shape (``gpu_step.SHAPES``), 24
@@ -51,6 +53,8 @@ from gpu_step import (  # noqa: E402
     train_flops,
 )
 
+from laconic_nemo.config import load_config  # noqa: E402
+
 RECIPE = ROOT / "recipes" / "gpu_check_1.5b.yaml"
 FLAGSHIP = ROOT / "recipes" / "deepseek_1.5b_b1500.yaml"  # its checkpoint frequency enters the projection
 TARGET_STEP_S, TARGET_HOURS = 30.0, 4.2  # one H100, steady state; 500 steps on 16 GPUs
@@ -69,11 +73,14 @@ def cpu_overrides(out: Path) -> list[str]:
 
 
 class Recorder:
-    """What the run's metrics do not hold: the rows of every optimiser step (for their FLOPs), the checkpoint's
-    seconds (the one at the end is in no metrics row), and a line per finished step as it comes."""
+    """What the run's metrics do not hold, recorded by wrapping the trainer's and the actor's methods: the rows of
+    every optimiser step (for their FLOPs), the checkpoint's seconds (the one at the end is in no metrics row), the
+    packed kernel used; a line per finished step as it comes, and the summary right after the last step (before
+    the final checkpoint, which a device check's time cap may cut)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, num_steps: int, summary):
+        self.device, self.num_steps, self.summary = device, num_steps, summary
+        self.rows: list[dict] = []  # the trainer's metrics of every step (what metrics.jsonl receives)
         self.opt_lengths: list[list[int]] = []  # per optimiser step: tokens the model read per row
         self.checkpoints: list[float] = []
         self.kernels: set[str] = set()
@@ -97,14 +104,17 @@ class Recorder:
             t = time.perf_counter()
             out = save(trainer, *a, **kw)
             rec.checkpoints.append(time.perf_counter() - t)
-            print(f"  checkpoint: {rec.checkpoints[-1]:.1f} s", flush=True)
+            print(f"| checkpoint (at the end of the run) | {rec.checkpoints[-1]:.2f} | - |", flush=True)
             return out
 
         def trainer_step(trainer, k):
             m = step(trainer, k)
+            rec.rows.append(m)
             print(f"  step {k + 1}: {m['step_seconds']:.1f} s (rollout {m['time/generate'] + m['time/reward']:.1f}, "
                   f"log-probs {m['time/logprobs']:.1f}, optimiser steps {m['time/policy_update']:.1f}), "
                   f"mean length {m['mean_response_length']:.0f}", flush=True)
+            if len(rec.rows) == rec.num_steps:
+                rec.summary(rec)
             return m
 
         def packed_attention(query, key, value, params, scale, kernel="auto", dropout=0.0):
@@ -133,6 +143,56 @@ def phase_rows(rows: list[dict], opt_steps: int) -> list[tuple[str, list[float]]
     return out
 
 
+class Summary:
+    """The printout of a finished run: the phase table after the last step, the rest once the checkpoint is out."""
+
+    def __init__(self, cfg, arch, device: torch.device):
+        self.cfg, self.arch, self.device = cfg, arch, device
+        g = cfg.grpo
+        self.opt_steps = g.num_prompts_per_step * g.group_size // g.minibatch_size
+        self.step_s = float("nan")
+
+    def __call__(self, rec: Recorder) -> None:
+        """After the last step: the phases (steady s/step, first step's extra), MFU, peak memory so far."""
+        rows, k = rec.rows, self.opt_steps
+        print(f"\npacked kernel used: {', '.join(sorted(rec.kernels)) or 'none'}")
+        print("\n| phase | steady s/step | first step's extra s |\n| --- | ---: | ---: |")
+        for label, values in phase_rows(rows, k):
+            s = statistics.mean(values[1:])
+            print(f"| {label} | {s:.2f} | {values[0] - s:+.2f} |")
+        self.step_s = statistics.mean(float(r["step_seconds"]) for r in rows[1:])
+        print(f"| step (checkpoint excluded) | {self.step_s:.2f} | {float(rows[0]['step_seconds']) - self.step_s:+.2f} |")
+        # training MFU over the steady steps' optimiser steps (each call's rows: prompt + response tokens)
+        steady = rec.opt_lengths[k:k * len(rows)]
+        flops = sum(train_flops(self.arch, lengths) for lengths in steady)
+        seconds = sum(float(r.get(f"time/policy_update/{j}", 0.0)) for r in rows[1:] for j in range(1, k + 1))
+        measured = matmul_tflops(self.device)
+        mfu = f"MFU {100 * flops / seconds / H100_BF16_PEAK:.1f}% of {H100_BF16_PEAK / 1e12:.0f} TFLOP/s (H100 data sheet)"
+        if measured:
+            mfu += f", {100 * flops / seconds / (measured * 1e12):.1f}% of a bf16 matmul measured here ({measured:.0f})"
+        tokens = sum(sum(lengths) for lengths in steady)
+        print(f"\ntraining: {tokens / seconds:,.0f} tokens/s over the optimiser steps; {mfu}")
+        peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated (torch.cuda.max_memory_allocated)"
+                if self.device.type == "cuda" else "n/a (CPU)")
+        print(f"peak memory: {peak}\n", flush=True)
+
+    def projection(self, rec: Recorder) -> str:
+        """The 500-step run on 16 GPUs from the steady step and the checkpoint at the flagship's frequency."""
+        cfg = self.cfg
+        ckpt = rec.checkpoints[-1] if rec.checkpoints else float("nan")
+        every = load_config(FLAGSHIP).checkpoint.every_n_steps
+        n_ckpt = PAPER_STEPS // every if every else 1
+        hours = (PAPER_STEPS * self.step_s + n_ckpt * ckpt) / 3600
+        target = (f" (target <= {TARGET_STEP_S:.0f} s/step on one H100, <= {TARGET_HOURS} h)"
+                  if self.device.type == "cuda" else "")
+        mean_length = statistics.mean(float(r["mean_response_length"]) for r in rec.rows)
+        rows = cfg.grpo.num_prompts_per_step * cfg.grpo.group_size
+        return (f"projection: {PAPER_STEPS} steps on {PAPER_GPUS} GPUs (DP {PAPER_GPUS}, {rows} responses per GPU, "
+                f"{PAPER_OPT_STEPS} optimiser steps) = {PAPER_STEPS} x {self.step_s:.1f} s + {n_ckpt} checkpoints x "
+                f"{ckpt:.1f} s = {hours:.2f} h{target}; mean response length {mean_length:.0f} of L_max "
+                f"{cfg.rollout.max_new_tokens}; not measured: the DP all-reduce, grading real math answers")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
@@ -155,7 +215,6 @@ def main(argv=None) -> int:
 
     from laconic_nemo.app.train_cli import main as train_main
     from laconic_nemo.bridge import arch_from_hf_config
-    from laconic_nemo.config import load_config
     from laconic_nemo.plan.layout import packed_kernel_line
 
     cfg = load_config(args.recipe, overrides)
@@ -169,54 +228,19 @@ def main(argv=None) -> int:
     print(f"# packed attention on a GPU here: {packed_kernel_line(cfg)}")
     print("laconic-nemo train " + " ".join([args.recipe, *overrides]), flush=True)
 
-    rec = Recorder(device)
+    summary = Summary(cfg, arch, device)
+    rec = Recorder(device, args.steps, summary)
     rec.install()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     code = train_main([args.recipe, *overrides, "--nprocs", "1"])
-    wall = time.perf_counter() - t0
     if code != 0:
         print(f"paper_step: laconic-nemo train exited with status {code}", file=sys.stderr)
         return code
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    opt_steps = cfg.grpo.num_prompts_per_step * cfg.grpo.group_size // cfg.grpo.minibatch_size
-    first, steady = rows[0], rows[1:]
-
-    print(f"\n{len(rows)} steps in {wall:.1f} s (model build and start-up included); packed kernel used: "
-          f"{', '.join(sorted(rec.kernels)) or 'none'}")
-    print("\n| phase | steady s/step | first step's extra s |\n| --- | ---: | ---: |")
-    for label, values in phase_rows(rows, opt_steps):
-        s = statistics.mean(values[1:])
-        print(f"| {label} | {s:.2f} | {values[0] - s:+.2f} |")
-    ckpt = rec.checkpoints[-1] if rec.checkpoints else float("nan")
-    print(f"| checkpoint (at the end of the run) | {ckpt:.2f} | - |")
-    step_s = statistics.mean(float(r["step_seconds"]) for r in steady)
-    print(f"| step (checkpoint excluded) | {step_s:.2f} | {float(first['step_seconds']) - step_s:+.2f} |")
-
-    # training MFU over the steady steps' optimiser steps (each call's rows: prompt + response tokens)
-    per_step = [rec.opt_lengths[i * opt_steps:(i + 1) * opt_steps] for i in range(len(rows))]
-    flops = sum(train_flops(arch, lengths) for step in per_step[1:] for lengths in step)
-    seconds = sum(float(r.get(f"time/policy_update/{k}", 0.0)) for r in steady for k in range(1, opt_steps + 1))
-    measured = matmul_tflops(device)
-    mfu = f"MFU {100 * flops / seconds / H100_BF16_PEAK:.1f}% of {H100_BF16_PEAK / 1e12:.0f} TFLOP/s (H100 data sheet)"
-    if measured:
-        mfu += f", {100 * flops / seconds / (measured * 1e12):.1f}% of a bf16 matmul measured here ({measured:.0f})"
-    tokens = sum(sum(lengths) for step in per_step[1:] for lengths in step)
-    print(f"\ntraining: {tokens / seconds:,.0f} tokens/s over the optimiser steps; {mfu}")
-    print("peak memory: " + (f"{peak_gib:.1f} GiB allocated (torch.cuda.max_memory_allocated)" if peak_gib is not None
-                             else "n/a (CPU)"))
-    mean_length = statistics.mean(float(r["mean_response_length"]) for r in rows)
-    every = load_config(FLAGSHIP).checkpoint.every_n_steps
-    hours = (PAPER_STEPS * step_s + (PAPER_STEPS // every if every else 1) * ckpt) / 3600
-    target = (f" (target <= {TARGET_STEP_S:.0f} s/step on one H100, <= {TARGET_HOURS} h)"
-              if device.type == "cuda" else "")
-    print(f"\nprojection: {PAPER_STEPS} steps on {PAPER_GPUS} GPUs (DP {PAPER_GPUS}, {cfg.grpo.num_prompts_per_step * cfg.grpo.group_size} "
-          f"responses per GPU, {PAPER_OPT_STEPS} optimiser steps) = {PAPER_STEPS} x {step_s:.1f} s + "
-          f"{PAPER_STEPS // every if every else 1} checkpoints x {ckpt:.1f} s = {hours:.2f} h{target}; mean response "
-          f"length {mean_length:.0f} of L_max {cfg.rollout.max_new_tokens}; not measured: the DP all-reduce, grading "
-          "real math answers")
+    print(f"\n{len(rec.rows)} steps and the checkpoint in {time.perf_counter() - t0:.1f} s (model build and start-up "
+          f"included)")
+    print(summary.projection(rec))
     return 0
 
 

@@ -41,6 +41,8 @@ def mp_state():
 #                                ``window_size == (-1, 0)`` (:237, a tuple comparison: a list would not be causal)
 #   2.13.0  varlen.py:176-192  (..., window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
 #                                num_splits=None); Hq != Hkv without enable_gqa raises (:295-300); causal at :307
+#   main    pytorch/pytorch 000459dc (a snapshot of main), def varlen_attn: the 2.11 form plus k_cache, v_cache,
+#                                cache_seqlens, cache_batch_idx, page_table, seqused_k; causal ``window_size == (-1, 0)``
 def sig_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, gqa=True)
 
@@ -54,6 +56,12 @@ def sig_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=
              window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     if not enable_gqa and query.size(1) != key.size(1):
         raise ValueError("Expect query and key/value to have the same number of heads (stand-in of varlen.py:295)")
+    return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, gqa=True)
+
+
+def sig_main(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), k_cache=None, v_cache=None, cache_seqlens=None, cache_batch_idx=None,
+             page_table=None, seqused_k=None):
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, gqa=True)
 
 
@@ -77,7 +85,8 @@ def _dense_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, gq
 
 STANDINS = {"2.10": (sig_2_10, VarlenForm("is_causal", False, False)),
             "2.11": (sig_2_11, VarlenForm("window_size", True, False)),
-            "2.13": (sig_2_13, VarlenForm("window_size", True, True))}
+            "2.13": (sig_2_13, VarlenForm("window_size", True, True)),
+            "main": (sig_main, VarlenForm("window_size", True, False))}
 
 
 def test_installed_varlen_attn_is_a_cited_form():

@@ -565,6 +565,9 @@ def main(argv=None) -> int:
         print(f"# bf16 8192^3 matmul measured: {peak_meas:.0f} TFLOP/s; data-sheet peak {H100_BF16_PEAK / 1e12:.0f}")
     print(f"# memory bandwidth of the bound: {1e3 * tbs:,.0f} GB/s ({tbs_src}); copy measured in this run "
           f"{1e3 * copy_tbs:,.0f} GB/s")
+    from laconic_nemo.runtime.kernels import describe_packed_attention
+
+    print(f"# packed attention (sdpa) on a GPU: {describe_packed_attention('sdpa', dtype if not cpu else None)}")
 
     # the Hugging Face model with random weights, its state dict feeds the megatron actor
     from transformers import AutoModelForCausalLM, Qwen2Config

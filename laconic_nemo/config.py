@@ -160,6 +160,11 @@ class ModelConfig:
   hf:        a Hugging Face checkpoint directory (model.path), loaded through laconic_nemo.bridge
   nemo:      a .nemo checkpoint (model.path), NeMo-Aligner actor only (cluster path)""")
     path: Optional[str] = opt(None)
+    shape_from: Optional[str] = opt(None, above="""synthetic only: a Hugging Face config.json (or its folder) whose architecture and vocabulary the
+synthetic GPT takes, weights random (the bridge's layer: RMSNorm, SwiGLU, GQA, its RoPE base). The
+synthetic task's character ids are its first ids; a response rarely draws EOS from so large a
+vocabulary, so it runs to rollout.max_new_tokens. A published model's step without its weights
+(recipes/gpu_check_1.5b.yaml, benchmarks/paper_step.py); null: the shape keys below""")
     num_layers: int = opt(2, ge=1,
                           above="Shape of the synthetic GPT (ignored for hf/nemo, which read it from the checkpoint).")
     hidden_size: int = opt(64, "a multiple of num_attention_heads", ge=1)
@@ -182,6 +187,8 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
         else:  # megatron splits the hidden size into equal heads (hf / nemo checkpoints state their own shape)
             _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
                      f"a multiple of model.num_attention_heads = {self.num_attention_heads}", self.hidden_size)
+        _require(self.shape_from is None or self.source == "synthetic", "model.shape_from",
+                 f"null with model.source = {self.source} (the checkpoint states its own shape)", self.shape_from)
         q = self.num_query_groups
         _require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
                  f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)

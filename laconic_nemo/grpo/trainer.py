@@ -28,8 +28,8 @@ import math
 import signal
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -76,6 +76,8 @@ from laconic_nemo.runtime.faults import fault_point, heartbeat
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
 
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
+# Parts of a phase, logged beside the phases as time/<phase>/<part> (the phases alone add up to the step):
+# time/logprobs/old, time/logprobs/reference (grpo.kl_beta > 0), time/policy_update/<k> (optimiser step k, from 1).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
@@ -124,6 +126,16 @@ class Timer:
     seconds: dict[str, float]
     step: int = 0  # 1-based step being timed (heartbeats and fault points name it)
     step_s: float | None = None  # the longest step of this process so far (the launcher's watchdog scales with it)
+    parts: dict[str, float] = field(default_factory=dict)  # "<phase>/<part>" -> seconds, inside the phases
+
+    @contextmanager
+    def part(self, name: str):
+        """Seconds of a part of the running phase, kept under ``name`` in :attr:`parts` (no heartbeat)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
 
     @contextmanager
     def __call__(self, phase: str):
@@ -350,12 +362,15 @@ class GRPOTrainer:
         with timer("logprobs"):
             # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
             temp = self.cfg.rollout.temperature
-            batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
+            with timer.part("logprobs/old"):
+                batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
             if g.kl_beta > 0:
-                batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
+                with timer.part("logprobs/reference"):
+                    batch.ref_logprobs = (self.actor.logprobs(batch, reference=True, temperature=temp)
+                                          * batch.response_mask)
 
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch)
+            update_metrics = self._policy_update(batch, timer)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -380,6 +395,8 @@ class GRPOTrainer:
         metrics["step_seconds"] = time.perf_counter() - t_start
         for phase in PHASES:
             metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
+        for part, seconds in timer.parts.items():
+            metrics[f"time/{part}"] = seconds
         if self.is_logger:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
@@ -415,10 +432,10 @@ class GRPOTrainer:
             out["laconic/reasoning_closed_share"] = closed / n
         return out
 
-    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+    def _policy_update(self, batch: TrainBatch, timer: Timer | None = None) -> dict[str, float]:
         """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
         the recipe's ``grpo:`` settings at the rollout temperature and the minibatch's global token / sequence
-        counts. Returns the mean metrics."""
+        counts (each timed as ``policy_update/<k>`` on ``timer``). Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -429,7 +446,8 @@ class GRPOTrainer:
             loss_fn = make_grpo_loss_fn(g.clip_eps, g.clip_eps_high, g.kl_beta, g.loss_aggregation,
                                         global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]),
                                         clip_dual=g.clip_dual, temperature=self.cfg.rollout.temperature)
-            out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
+            with (timer.part(f"policy_update/{n_updates + 1}") if timer is not None else nullcontext()):
+                out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n_updates += 1

@@ -96,6 +96,8 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
                                                               else ""))
     if plan.training_memory:
         lines.append(f"train memory     {plan.training_memory}")
+    if plan.packed_attention:
+        lines.append(f"packed attention {plan.packed_attention}")
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]

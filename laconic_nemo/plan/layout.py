@@ -51,6 +51,7 @@ class Plan:
     kv_cache: str | None = None           # the decode engine's KV cache per GPU (shape, dtype, GiB); None: not ours
     kv_cache_bytes: int | None = None
     training_memory: str | None = None    # megatron-core actor: activations per micro-batch, the recompute that fits
+    packed_attention: str | None = None   # megatron-core actor, packed micro-batches: the GPU kernel in this environment
 
 
 ROLLOUT_ENGINES = {
@@ -127,7 +128,9 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
     mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
 
     m = cfg.model
-    hf = hf_config(hf_model if m.source == "nemo" else m.path)
+    hf = hf_config(hf_model if m.source == "nemo" else (m.shape_from if m.source == "synthetic" else m.path))
+    if m.shape_from and check_paths and hf is None:
+        _fail("model.shape_from", m.shape_from, "a Hugging Face config.json (or its folder) that exists")
     heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
     layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
     kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else m.num_query_groups
@@ -228,7 +231,19 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
         conversion_needed=conversion, warnings=warnings, rollout_engine=engine, kv_cache=kv_desc,
         kv_cache_bytes=kv_bytes, training_memory=memory,
+        packed_attention=packed_kernel_line(cfg) if actor == "megatron_core" and g.micro_batch_tokens else None,
     )
+
+
+def packed_kernel_line(cfg: Config) -> str:
+    """The kernel packed micro-batches run on an sm80+ GPU with this environment's packages, for the recipe's
+    ``model.attention`` and precision (:func:`laconic_nemo.runtime.kernels.describe_packed_attention`)."""
+    import torch
+
+    from laconic_nemo.runtime.kernels import describe_packed_attention
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(str(cfg.model.precision), torch.bfloat16)
+    return describe_packed_attention(str(cfg.model.attention), dtype)
 
 
 def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
@@ -265,7 +280,7 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batche
     shape = memory.LayerShape(
         hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
         ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
-        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic")
+        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic" or bool(hf))
     lmax = int(cfg.rollout.max_new_tokens)
     if g.micro_batch_tokens:
         tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"

@@ -30,16 +30,18 @@ rotation is megatron's ``t * cos + _rotate_half(t) * sin`` (``rope_utils.py:69-8
 as ``flip`` of the two halves (of the pairs when interleaved) times a sine whose first half (even entries) is
 negated: the same products and sum, the last multiply-add possibly fused (``addcmul``; within a rounding).
 
-What is not fused is called as a module: norms (torch's ``RMSNorm`` / ``LayerNorm`` already run one kernel each on a
-GPU; TransformerEngine's and others as they are), linears that are not exactly megatron's
+What is not fused is called as a module: norms (torch's ``RMSNorm`` / ``LayerNorm``: one fused kernel each on a GPU
+in recent torch; TransformerEngine's and others as they are), linears that are not exactly megatron's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` (TransformerEngine's ``LayerNormColumnParallelLinear`` keeps its norm
 inside), q / k layernorms (Qwen3), and the MLP of ``bias_activation_fusion`` with GELU (megatron's tanh
 approximation). Tensor-parallel collectives are megatron's own mappings (``reduce_from_tensor_model_parallel_region``
 after a row-parallel GEMM, as ``RowParallelLinear.forward``, ``layers.py:1187-1193``), so TP > 1 is served.
 
-Why not ``torch.compile``: it would trace these same few operators, and per batch bucket it compiles once per input
-shape (``dynamic=False``) - with the KV length inside the step, once per (bucket, KV length), tens of compilations
-of a 28-layer step per rollout; the hand-fused step needs none and captures in the engine's own graphs.
+Why not ``torch.compile``: it would trace these same few operators, and with ``dynamic=False`` it compiles once per
+input shape - with the KV length inside the step, once per (bucket, KV length), tens of compilations of a 28-layer
+step per rollout (compiling only the pieces between attentions would bring it to one per bucket, for a few
+elementwise fusions beyond the ones written here); the hand-fused step compiles nothing and is captured in the
+engine's own graphs.
 """
 
 from __future__ import annotations

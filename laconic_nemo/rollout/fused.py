@@ -10,8 +10,8 @@ piece                                  module path (kernels)    fused (kernels)
 ====================================  ======================  =============================================
 input norm                             ``input_layernorm``      the same module (torch's fused ``rms_norm``)
 linear_qkv + bias                      matmul, add              one ``addmm`` (bias in the GEMM)
-RoPE of q and k                        ~10 (twice megatron's    3 (flip, mul, addcmul) once over the layer's
-                                       unfused function)        q | k | v heads, cos / sin gathered once per step
+RoPE of q and k                        ~10 (twice megatron's    3 (flip, mul, addcmul; on CPU mul, add) once over
+                                       unfused function)        the q | k | v heads, cos / sin gathered once a step
 keys, values into the cache            2 ``index_put_``         1 ``index_put_`` (keys and values together)
 attention mask                         bool -> float per call   an additive mask built once per step
 linear_proj, bias-dropout-add          matmul, add(s)           ``addmm_`` into the residual (the add folded)
@@ -28,7 +28,7 @@ exactly); the rotated tensor then holds the attention's query rows per group (me
 group i // (heads / groups)) and, in its last two slots, the key and value the cache takes in one write. The
 rotation is megatron's ``t * cos + _rotate_half(t) * sin`` (``rope_utils.py:69-85, 118-121``: ``cat(-x2, x1)``)
 as ``flip`` of the two halves (of the pairs when interleaved) times a sine whose first half (even entries) is
-negated: the same products and sum, the last multiply-add possibly fused (``addcmul``; within a rounding).
+negated: the same products and sum (on a GPU the last multiply-add is one ``addcmul``, within a rounding).
 
 What is not fused is called as a module: norms (torch's ``RMSNorm`` / ``LayerNorm``: one fused kernel each on a GPU
 in recent torch; TransformerEngine's and others as they are), linears that are not exactly megatron's
@@ -127,13 +127,21 @@ def rope_table(freqs: torch.Tensor, interleaved: bool, dtype: torch.dtype) -> to
     return torch.stack((qk, v), dim=2).to(dtype)  # [positions, 2 (cos, sin), 2 (qk, v), rot]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """RoPE of ``x`` [b, groups, slots, d] with factors [b, 1, slots, rot] (rot <= d; the rest passes): a new tensor."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+           fma: bool | None = None) -> torch.Tensor:
+    """RoPE of ``x`` [b, groups, slots, d] with factors [b, 1, slots, rot] (rot <= d; the rest passes): a new tensor.
+
+    fma: the last multiply-add as one ``addcmul`` (one kernel fewer; its rounding may differ from megatron's by
+    the fused multiply-add) - the default on CUDA; elsewhere ``t * cos + flip(t) * sin``, megatron's arithmetic bit
+    for bit, so a CPU rollout samples exactly the module path's tokens."""
     rot = cos.shape[-1]
     t = x[..., :rot] if rot < x.shape[-1] else x
     pairs = (rot // 2, 2) if interleaved else (2, rot // 2)
     flipped = t.unflatten(-1, pairs).flip(-1 if interleaved else -2).flatten(-2)
-    out = torch.addcmul(t * cos, flipped, sin)
+    if x.is_cuda if fma is None else fma:
+        out = torch.addcmul(t * cos, flipped, sin)
+    else:
+        out = t * cos + flipped * sin
     return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out
 
 

@@ -30,8 +30,9 @@ itself runs FUSED (:mod:`laconic_nemo.rollout.fused`, ``EngineSettings.fused``):
 megatron's TP mappings, with linear_qkv's bias inside its GEMM, RoPE applied once to the layer's q | k | v heads
 with cos / sin gathered once per step, keys and values written in one ``index_put_``, the attention mask built once
 per step and the residual adds folded into the output GEMMs: 13 kernels per layer on a GPU by count (with torch's
-one-kernel ``rms_norm``) where the module calls launch about 31 (measured, 64 rows). Models it cannot serve (``fused.unsupported``: fp32 residuals, token types, non-megatron layer
-modules) decode through the modules; ``engine.fused`` says which.
+one-kernel ``rms_norm``) where the module calls launch about 31 (measured, 64 rows). Models it cannot serve
+(``fused.unsupported``: fp32 residuals, token types, non-megatron layer modules) decode through the modules;
+``engine.fused`` says which.
 
 The loop
 --------
@@ -227,6 +228,7 @@ class EngineStats:
     captures: int = 0                 # graphs captured (CUDA) or rehearsed (CPU) during the call
     capture_s: float = 0.0            # their warm-ups and captures, seconds
     step_ops: list = field(default_factory=list)  # opcount.OpCount per decode step, when count_ops is set
+
 
 class DecodeEngine(StageMixin, SlotsMixin):
     """Generation for a megatron-core GPT policy (see the module docstring). SPMD: call on every rank of the

@@ -460,8 +460,10 @@ A sample's tokens depend on (run.seed, step, DP rank, sample index) only, never 
     sync_every: int = opt(8, "decode steps between host synchronisations (finished rows are checked there)", ge=1)
     compact: bool = opt(True, """at each synchronisation, move the live rows into the smallest
 batch bucket they fit""")
-    batch_buckets: List[int] = opt([8, 16, 32, 64, 128, 256, 512], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
-largest. Inferred: powers of two, like vLLM's capture sizes.""")
+    batch_buckets: List[int] = opt([8, *range(16, 513, 16)], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
+largest. 8, then every multiple of 16 up to 512: a batch of 48 rows runs as 48, at most 15 rows of a bucket
+are padding. Inferred: vLLM captures every multiple of 8 up to 256, of 16 above; coarser here because
+each bucket is captured once per KV length (laconic-nemo plan prints the bound)""")
     kv_block: int = opt(256, """attention reads the cache up to the longest live row, rounded up to a multiple of
 this many positions (one graph per length); inferred""", ge=1)
     cuda_graphs: bool = opt(True, "capture each decode step as a CUDA graph (GPU); false: run it eagerly")

@@ -35,7 +35,33 @@ def test_gpu_step_runs_on_cpu_and_prints_its_table():
         assert re.search(r"\| [\d,]+ tok/s \| [\d.]+; [\d.]+% of the bound [\d,]+ tok/s \|", row), row
     mismatch = rows[1 + names.index("log-prob mismatch, engine vs training forward, 8 rows")]
     assert float(re.search(r"max \|diff\| ([\d.e+-]+)", mismatch).group(1)) < 1e-4
-    assert any(n.startswith("profile of the engine's decode steps") for n in names)
+    # --profile: operators per decode step of the fused step, of the module path and of the plain step of
+    # benchmarks/plain_decode.py at the same shape and rows; the ratio row; the fused step needs fewer operators
+    for n in (8, 32):
+        def ops(name):
+            row = rows[1 + names.index(name)]
+            return int(re.search(r"\| (\d+) operators per step", row).group(1))
+
+        fused = ops(f"engine decode step (fused), {n} rows")
+        modules = ops(f"engine decode step, module path (fused=False), {n} rows")
+        plain_name = next(x for x in names if x.startswith(f"plain graphed step (benchmarks/plain_decode.py), {n} rows"))
+        plain = ops(plain_name)
+        assert fused < modules and plain > 0
+        ratio = rows[1 + names.index(f"engine vs plain step, {n} rows")]
+        assert f"kernels {fused / plain:.2f}x the plain step's" in ratio and re.search(r"speed [\d.]+x", ratio)
+    # the window schedule on the paper's draw (no model): within the capture bound; at 256 rows the default buckets
+    # (8, multiples of 16) read fewer bytes per step than powers of two
+    sched = {n: r for n, r in zip(names, rows[1:]) if n.startswith("DeepSeek shape, ")}
+    assert len(sched) == 6
+    for r in sched.values():
+        graphs, bound = map(int, re.search(r"(\d+) graphs \(bound (\d+)\)", r).groups())
+        assert graphs <= bound
+    gbs = {n: float(re.search(r"\| ([\d.]+) GB/step \|", r).group(1)) for n, r in sched.items()}
+    assert gbs["DeepSeek shape, 256 rows, buckets 8, multiples of 16 (default)"] < \
+        gbs["DeepSeek shape, 256 rows, buckets powers of two"]
+    # the per-row KV length estimate on the DeepSeek-shaped rollout: attention reads at least what live rows hold
+    est = rows[1 + next(i for i, x in enumerate(names) if x.startswith("per-row KV lengths"))]
+    assert float(re.search(r"KV positions read ([\d.]+)x", est).group(1)) >= 1.0 and "% less" in est
     # the DeepSeek-shaped rollout (48 rows, lengths drawn around 0.73 x L_max) and the 500-step projection
     ds = rows[1 + next(i for i, n in enumerate(names) if n.startswith("DeepSeek-shaped rollout"))]
     mean = float(re.search(r"lengths mean (\d+)", ds).group(1))

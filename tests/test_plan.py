@@ -293,6 +293,10 @@ def test_plan_prints_the_rollout_engine_and_its_kv_cache(capsys):
     out = capsys.readouterr().out
     assert "rollout engine   megatron: the decode engine" in out
     assert "KV cache         [28 layers x 2 x 48 rows x 5120 positions x 2 kv heads x 128] bfloat16 = 6.56 GiB" in out
+    # CUDA graphs: batch buckets 8, 16, 32, 48 (<= 48 rows) and ceil(5120 / 256) = 20 KV lengths; a pass's keys form
+    # a staircase (bucket down, KV length up): <= 4 + 20 - 1, and <= 4 x 20 over every rollout
+    assert (p.decode_graphs_per_pass, p.decode_graphs_in_all) == (23, 80)
+    assert "decode graphs    <= 23 captures per rollout pass (4 batch buckets <= 48 rows + 20 KV lengths - 1)" in out
     # Qwen3-8B, TP 4 x PP 2: 18 layers and 8 / 4 kv heads per GPU, 128 responses per DP rank
     q = plan_layout(load_config(QWEN3), 4, 8, check_paths=False)
     assert q.kv_cache_bytes == 2 * 18 * 128 * 5120 * 2 * 128 * 2

@@ -91,6 +91,8 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
     if plan.kv_cache:
         lines.append(f"KV cache         {plan.kv_cache} per GPU, allocated once (rollout.kv_cache_rows, "
                      "max_prompt_length + max_new_tokens)")
+    if plan.decode_graphs:
+        lines.append(f"decode graphs    {plan.decode_graphs}")
     if plan.tokenizer:
         lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
                                                               else ""))

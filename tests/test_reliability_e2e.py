@@ -49,14 +49,17 @@ class Run:
 
 
 def launch(args, out: Path, fault: str | None = None, timeout: float = 240, signal_on: tuple | None = None,
-           group: bool = False, prefix: tuple = ()) -> Run:
+           group: bool = False, prefix: tuple = (), env_extra: dict | None = None,
+           python: tuple = ("-m", "laconic_nemo")) -> Run:
     """Run `laconic-nemo train` in its own session; ``signal_on = (text, signum)`` sends ``signum`` to the
     launcher (``group``: to its whole process group, as a Ctrl-C at a terminal does) once ``text`` appears in
-    its output; ``prefix``: a command line the launcher runs under. Output is stdout and stderr together."""
-    env = clean_env()
+    its output; ``prefix``: a command line the launcher runs under; ``env_extra``: more environment variables;
+    ``python``: what the interpreter runs (default the package's command line). Output is stdout and stderr
+    together."""
+    env = {**clean_env(), **(env_extra or {})}
     if fault:
         env["LACONIC_FAULT"] = fault
-    cmd = [*prefix, sys.executable, "-m", "laconic_nemo", "train", *args, f"run.output_dir={out}"]
+    cmd = [*prefix, sys.executable, *python, "train", *args, f"run.output_dir={out}"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -78,7 +81,8 @@ def launch(args, out: Path, fault: str | None = None, timeout: float = 240, sign
         proc.wait()
         pytest.fail(f"no exit within {timeout} s:\n{''.join(lines)[-3000:]}")
     with (out.parent / "runs.log").open("a") as log:
-        log.write(f"==== {' '.join(cmd[len(prefix) + 3:])} (fault {fault}) -> {proc.returncode}\n{''.join(lines)}\n")
+        log.write(f"==== {' '.join(cmd[len(prefix) + 1 + len(python):])} (fault {fault}) -> {proc.returncode}\n"
+                  f"{''.join(lines)}\n")
     return Run(proc.returncode, "".join(lines), time.monotonic() - t0)
 
 

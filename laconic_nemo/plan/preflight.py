@@ -20,10 +20,13 @@ before torch.distributed starts), which adds what only a training run on this ma
 * ``checkpoint.resume = never`` in a folder that already holds a run is refused (it would mix two
   runs' metrics and checkpoints);
 * ``checkpoint.resume = <path>`` names a complete, intact checkpoint;
-* when a checkpoint will be resumed: damaged checkpoints are skipped for the previous intact one (a
-  line says so), its ``trainer_state.json`` is readable, it was written with the same world size and
+* when a checkpoint will be resumed: damaged checkpoints, and those whose ``trainer_state.json`` holds a bad
+  value, are skipped for the previous intact one (a line says so, naming the file and the key), it was
+  written with the same world size and
   layout (TP, PP and DP cannot change: the model shards are split for them), this run's resolved config
-  equals the checkpoint's except for the keys allowed (:mod:`laconic_nemo.grpo.resume`),
+  equals the checkpoint's except for the keys allowed (:mod:`laconic_nemo.grpo.resume`), its budget classes
+  and tail constraint are this run's, key for key, or ``checkpoint.resume_allow_changes`` says how to carry
+  them over (:mod:`laconic_nemo.grpo.constraints`),
   ``metrics.jsonl`` is intact (a torn last line is allowed; the trainer drops it) and holds the rows of
   the checkpoint's steps, or the checkpoint holds a copy to restore them from.
 
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from laconic_nemo.config import Config, ConfigError, defaults, to_dict
+from laconic_nemo.grpo.constraints import check_constraints_resume
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
@@ -172,9 +176,9 @@ def check_output_names(cfg: Config) -> None:
 def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -> Path | None:
     """Resume checks (see the module docstring). Returns the checkpoint to resume from, or None.
     ``notes`` receives a line per damaged checkpoint skipped."""
-    ckpt = resume_source(cfg, notes)
     metrics = Path(str(cfg.run.output_dir)) / "metrics.jsonl"
     try:
+        ckpt = resume_source(cfg, notes)
         rows, _ = read_metrics(metrics)
         if ckpt is None:
             return None
@@ -195,6 +199,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
         check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
                             list(cfg.checkpoint.resume_allow_changes or []),
                             defaults())
+        check_constraints_resume(ckpt, state, cfg)  # each class by its key, the tail by its settings
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "

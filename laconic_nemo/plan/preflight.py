@@ -20,6 +20,8 @@ before torch.distributed starts), which adds what only a training run on this ma
 * ``checkpoint.resume = never`` in a folder that already holds a run is refused (it would mix two
   runs' metrics and checkpoints);
 * ``checkpoint.resume = <path>`` names a complete, intact checkpoint;
+* the dashboard folders (``logging.tensorboard_dir`` or ``<output_dir>/tensorboard`` when TensorBoard is on,
+  ``<output_dir>/wandb`` with W&B) are folders this process can write in, or can be created;
 * when a checkpoint will be resumed: damaged checkpoints, and those whose ``trainer_state.json`` holds a bad
   value, are skipped for the previous intact one (a line says so, naming the file and the key), it was
   written with the same world size and
@@ -145,6 +147,20 @@ def check_writable_dir(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key} = {str(path)!r} is invalid: cannot write in {probe} ({exc.strerror})") from exc
 
 
+def check_dashboard_dirs(cfg: Config) -> None:
+    """Each dashboard folder the run writes (TensorBoard's event folder, the W&B folder) is a folder this process
+    can write in, or can be created; the message names the key (or the default it stands for) and the folder."""
+    from laconic_nemo.grpo.metrics import tensorboard_dir, tensorboard_enabled, wandb_dir
+
+    if tensorboard_enabled(cfg.logging):
+        key = "logging.tensorboard_dir" if cfg.logging.tensorboard_dir else \
+            "logging.tensorboard (its folder, ${run.output_dir}/tensorboard; set logging.tensorboard_dir or false)"
+        check_writable_dir(tensorboard_dir(cfg), key)
+    if cfg.logging.wandb:
+        check_writable_dir(wandb_dir(cfg.run.output_dir),
+                           "logging.wandb (its folder, ${run.output_dir}/wandb; or logging.wandb=false)")
+
+
 def output_names(cfg: Config) -> dict[str, str]:
     """What the run writes under ``run.output_dir``: name -> "file" or "folder"."""
     names = {"metrics.jsonl": "file", "config.yaml": "file", "run.lock": "file", "checkpoints": "folder",
@@ -213,7 +229,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
 def preflight_train(cfg: Config, world_size: int, local_world_size: int | None = None) -> Path | None:
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
-    from laconic_nemo.grpo.metrics import check_sinks, tensorboard_available
+    from laconic_nemo.grpo.metrics import check_sinks
 
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
@@ -224,9 +240,7 @@ def preflight_train(cfg: Config, world_size: int, local_world_size: int | None =
     if cfg.warmup.num_steps > 0 and cfg.warmup.cache_dir:
         check_writable_dir(cfg.warmup.cache_dir, "warmup.cache_dir")
     check_sinks(cfg)  # a dashboard the recipe asks for, without its package
-    if cfg.logging.tensorboard_dir and (cfg.logging.tensorboard or
-                                        (cfg.logging.tensorboard is None and tensorboard_available())):
-        check_writable_dir(cfg.logging.tensorboard_dir, "logging.tensorboard_dir")
+    check_dashboard_dirs(cfg)
     notes: list[str] = []
     try:
         return check_resume(cfg, world_size, notes)

@@ -22,13 +22,11 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from tests.dashboards import wandb_history, wandb_offline_runs
-from tests.test_reliability_e2e import launch, rows
+from tests.test_reliability_e2e import launch, rows, tmpfs_prefix
 from tests.test_resume_constraint_state import RANKS_ONLY, edit_state, said
 from tests.test_trainer_e2e import FAST, ROOT, strip_timing
 
@@ -95,22 +93,10 @@ def test_a_bad_lambda_in_the_checkpoint_falls_back_or_is_one_line(killed_and_res
     assert line.startswith(f"laconic-nemo train: cannot resume: {ckpt4 / 'trainer_state.json'} key shaper.dual.lam")
 
 
-def _tmpfs_prefix(folder: Path, options: str) -> tuple:
-    """A command prefix that runs the rest with a tmpfs (mount ``options``) at ``folder``, in a private user and
-    mount namespace; () where this kernel does not allow it."""
-    if shutil.which("unshare") is None:
-        return ()
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {options} tmpfs {folder}"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        return ()
-    return ("unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o {options} tmpfs "$0" && exec "$@"', str(folder))
-
-
 def test_a_dashboard_folder_that_cannot_be_written_is_refused_before_the_model_or_skipped(tmp_path, cache):
     out = tmp_path / "run"
     (out / "tensorboard").mkdir(parents=True)
-    prefix = _tmpfs_prefix(out / "tensorboard", "ro,size=4k")
+    prefix = tmpfs_prefix(out / "tensorboard", "ro,size=4k")
     if not prefix:
         pytest.skip("unshare -rm (user and mount namespaces) is not available to mount a read-only tmpfs")
     args = [*ARGS, "logging.tensorboard=true", cache, "run.num_steps=2", "checkpoint.every_n_steps=0"]
@@ -157,7 +143,7 @@ def test_a_full_disk_under_the_dashboards_is_named_once_and_training_goes_on(tmp
     pytest.importorskip("wandb")
     out = tmp_path / "run"
     (out / "tensorboard").mkdir(parents=True)
-    prefix = _tmpfs_prefix(out / "tensorboard", "size=4k")
+    prefix = tmpfs_prefix(out / "tensorboard", "size=4k")
     if not prefix:
         pytest.skip("unshare -rm (user and mount namespaces) is not available to mount a small tmpfs")
     args = [*ARGS, *WANDB, "logging.tensorboard=true", cache, "run.num_steps=3", "checkpoint.every_n_steps=0"]

@@ -278,16 +278,17 @@ def test_signal_to_one_rank_before_the_rendezvous_stops_every_rank(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
-def _tmpfs_prefix(folder: Path) -> tuple:
-    """A command prefix that runs the rest on a 96 KiB tmpfs mounted at ``folder`` (a private user and mount
-    namespace: no root needed, nothing visible outside); () where this kernel does not allow it."""
+def tmpfs_prefix(folder: Path, options: str = "size=96k") -> tuple:
+    """A command prefix that runs the rest with a tmpfs mounted at ``folder`` with mount ``options`` (default: 96
+    KiB; a private user and mount namespace: no root needed, nothing visible outside); () where this kernel does
+    not allow it."""
     if shutil.which("unshare") is None:
         return ()
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=96k tmpfs {folder}"],
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {options} tmpfs {folder}"],
                            capture_output=True)
     if probe.returncode != 0:
         return ()
-    return ("unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=96k tmpfs "$0" && exec "$@"', str(folder))
+    return ("unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o {options} tmpfs "$0" && exec "$@"', str(folder))
 
 
 def test_full_disk_is_named_in_the_launchers_last_line(tmp_path):
@@ -295,7 +296,7 @@ def test_full_disk_is_named_in_the_launchers_last_line(tmp_path):
     rank fails writing its shard of checkpoint 1 (torch alone says "basic_ios::clear" or "unexpected pos")."""
     out = tmp_path / "full"
     out.mkdir()
-    prefix = _tmpfs_prefix(out)
+    prefix = tmpfs_prefix(out)
     if not prefix:
         pytest.skip("unshare -rm (user and mount namespaces) is not available to mount a small tmpfs")
     run = launch([*BASE, "warmup.num_steps=0", f"warmup.cache_dir={tmp_path / 'c'}"], out, prefix=prefix, timeout=180)

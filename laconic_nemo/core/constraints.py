@@ -510,8 +510,9 @@ class TailConstraint:
         """Restore mu from the saved tail constraint of the same B_tail and q. One with other settings, or none
         (``state`` None): refused (:class:`ConstraintStateMismatch`) unless ``carry`` is "carry" (keep the saved mu,
         clipped into this run's range; not for a missing state) or "reset" (mu stays at its initial value)."""
-        saved = None if state is None else tail_key(float(state["tail_budget"]), float(state["share"]))
-        if saved != self.key:
+        settings = None if state is None else (float(state["tail_budget"]), float(state["share"]))
+        saved = None if settings is None else tail_key(*settings)
+        if settings != (self.tail_budget, self.share):
             if carry == "reset" or (carry == "carry" and saved is not None):
                 if carry == "carry":
                     self.dual.load_state_dict(state["dual"], strict=False)

@@ -33,6 +33,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from laconic_nemo.core.constraints import CarryOver
 from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
 from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
@@ -496,7 +497,20 @@ class CheckpointConfig:
 (never refuses an output_dir that already holds a run)""")
     resume_allow_changes: List[str] = opt([], above="""Keys allowed to differ from the resumed checkpoint's config (e.g. [run.seed, laconic.eta]); any other
 difference refuses the resume, listing every key. Run length, logging, checkpoint and warm-up keys,
-timeouts and reward.num_workers may always change (laconic_nemo/grpo/resume.py).""")
+timeouts and reward.num_workers may always change (laconic_nemo/grpo/resume.py).
+The multipliers of the constraints are restored by what they belong to: each budget class by its key
+(its budget, 500, or its bin, 500-1000, as in the laconic/lambda/class_* metrics), the tail constraint
+by its B_tail and q. A class or tail constraint that differs from the checkpoint's is refused, naming
+the keys, unless one of these entries says how to carry the state over:
+  class:new      a class the checkpoint lacks starts at laconic.lambda_init
+  class:dropped  the multiplier of a checkpoint class this run lacks is dropped
+  class:budgets  a bin whose budgets differ from the checkpoint's keeps its multiplier
+  class:OLD=NEW  this run's class NEW takes the multiplier of the checkpoint's class OLD (e.g.
+                 class:500-1000=500-1200 for a moved bin edge, class:22=24 for a changed budget)
+  tail:carry     a tail constraint with another B_tail or q keeps the checkpoint's mu (clipped into
+                 [0, laconic.tail_ceiling])
+  tail:reset     it starts at laconic.tail_init instead (also when the checkpoint has no tail constraint)
+The config keys behind the change (e.g. data.target_lengths) must be listed too (docs/reliability.md).""")
     export_hf: bool = opt(False, above="""true: when training finishes, write the final policy as a Hugging Face folder ${run.output_dir}/hf
 (what `laconic-nemo export RUN --to hf OUT` writes). Needs model.source = hf: the synthetic GPT has no
 Hugging Face architecture. Runs on rank 0 after the final checkpoint while the other ranks wait, so it
@@ -594,11 +608,23 @@ class Config:
                  f"false with model.source = {self.model.source} (only hf runs have a Hugging Face architecture)",
                  self.checkpoint.export_hf)
         for key in self.checkpoint.resume_allow_changes:
+            if CarryOver.is_entry(key):  # how to carry the constraints' state over (core.constraints.CarryOver)
+                try:
+                    CarryOver.parse([key])
+                except ValueError as exc:
+                    raise ConfigError(f"checkpoint.resume_allow_changes = {str(key)!r} is invalid: allowed a "
+                                      f"config key or a carry-over entry ({exc})") from None
+                continue
             node: Any = self
             for part in str(key).split("."):
                 node = getattr(node, part, _MISSING) if dataclasses.is_dataclass(node) else _MISSING
-            _require(node is not _MISSING, "checkpoint.resume_allow_changes", "a list of config keys (e.g. [run.seed])",
-                     str(key))
+            _require(node is not _MISSING, "checkpoint.resume_allow_changes",
+                     "a list of config keys (e.g. [run.seed]) and carry-over entries (class:new, class:dropped, "
+                     "class:budgets, class:OLD=NEW, tail:carry, tail:reset)", str(key))
+        try:
+            CarryOver.parse(list(self.checkpoint.resume_allow_changes))
+        except ValueError as exc:  # two entries that contradict each other
+            raise ConfigError(f"checkpoint.resume_allow_changes is invalid: {exc}") from None
 
 
 def _check_constraints(cfg: "Config") -> None:

@@ -61,6 +61,13 @@ from laconic_nemo.grpo.checkpoint import (
     dist_ready,
     find_resume_checkpoint,
 )
+from laconic_nemo.grpo.constraints import (
+    budget_classes,
+    restore_constraints,
+    resume_strict,
+    run_budgets,
+    tail_constraint,
+)
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -214,26 +221,18 @@ class GRPOTrainer:
             if not self.marker_ids:
                 raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
         self.prompt_budgets = None
-        self.classes = None
+        self.classes: BudgetClasses | None = None
         if lc.per_prompt_budget:
             stated = d.stated_budgets()
             if stated is None:
                 if budgets is None:
-                    from laconic_nemo.data.datasets import prompt_budgets
-
-                    budgets = prompt_budgets(list(d.train_files), str(d.budget_key), d.budget_missing, lc.budget,
-                                             self.cfg.rollout.max_new_tokens)
+                    budgets = run_budgets(self.cfg)
                 if len(budgets) != len(self.prompts):
                     raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
                 self.prompt_budgets = [float(b) for b in budgets]
                 stated = self.prompt_budgets
-            self.classes = BudgetClasses(stated, lc.budget_classes, eta=lc.eta, floor=lc.floor,
-                                         lambda_init=lc.lambda_init, ceiling=lc.ceiling,
-                                         max_length=self.cfg.rollout.max_new_tokens, controller=lc.controller,
-                                         kp=lc.kp, kd=lc.kd)
-        self.tail = None
-        if lc.tail_budget is not None:
-            self.tail = TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+            self.classes = budget_classes(self.cfg, stated)
+        self.tail: TailConstraint | None = tail_constraint(self.cfg)
 
     @property
     def constrained(self) -> bool:
@@ -494,28 +493,28 @@ class GRPOTrainer:
         return find_resume_checkpoint(self.cfg, notes)
 
     def load_checkpoint(self, path: Path) -> int:
-        from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
+        """Restore the checkpoint ``path`` (its values already checked, :func:`~laconic_nemo.grpo.resume.choose_checkpoint`)
+        into this rank: the multipliers first (lambda; each budget class by its key and the tail constraint by its
+        settings, :func:`~laconic_nemo.grpo.constraints.restore_constraints`), then the model shard and RNG state.
+        Returns the checkpoint's step. ResumeError (one line naming the checkpoint) where it cannot be resumed."""
+        from laconic_nemo.grpo.resume import ResumeError, check_resume_config, read_trainer_state
 
         state = read_trainer_state(path)
         if state["dp_size"] != self.actor.dp_size or state["world_size"] != self.world:
-            raise ValueError(
+            raise ResumeError(
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
-        allowed = check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
-                                      list(self.cfg.checkpoint.resume_allow_changes or []),
-                                      defaults())
-        # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
-        strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
+        check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
+                            list(self.cfg.checkpoint.resume_allow_changes or []), defaults())
+        # a LACONIC key allowed to change: the controllers keep this run's settings (multipliers clipped into them)
+        strict = resume_strict(state, self.cfg)
+        try:
+            load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
+        except ValueError as exc:
+            raise ResumeError(f"cannot resume from {path}: {exc}") from None
+        restore_constraints(path, state, self.classes, self.tail, self.cfg, strict=strict)
         self.checkpoints.load(path, self.actor)
-        load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
-        saved = state.get("constraints") or {}
-        for name, mine in (("classes", self.classes), ("tail", self.tail)):
-            if mine is None:
-                continue
-            if saved.get(name) is None:
-                raise ValueError(f"checkpoint {path} holds no state of the {name} constraint this run has")
-            mine.load_state_dict(saved[name], strict=strict)
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop

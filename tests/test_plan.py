@@ -95,6 +95,28 @@ def test_checkpoint_config_overrides_recipe_shape(tmp_path):
         plan_layout(cfg, 1, 8, check_paths=False)
 
 
+def test_hf_config_read_by_the_bridge_and_named_by_plan_as_a_layout_error(tmp_path):
+    """The model folder's config.json is read below plan/ (laconic_nemo.bridge.hf_folder); a broken one is named
+    with its line (and, not UTF-8, its column), and plan_layout still raises it as a LayoutError."""
+    from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    assert hf_config(str(hf)) is None and hf_config(None) is None
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 14}))
+    assert hf_config(str(hf)) == hf_config(str(hf / "model.safetensors")) == {"num_attention_heads": 14}
+    (hf / "config.json").write_bytes(b'{\n  "a": "\xe9"}')
+    with pytest.raises(HFConfigError, match=r"config.json line 2, column 9: byte 0xe9 is not UTF-8 text"):
+        hf_config(str(hf))
+    (hf / "config.json").write_text("[1, 2]")
+    with pytest.raises(HFConfigError, match="a JSON object expected"):
+        hf_config(str(hf))
+    (hf / "config.json").write_text('{\n  "a": }')
+    cfg = load_config(QWEN3, [f"model.path={hf}"])
+    with pytest.raises(LayoutError, match=r"config.json line 2: invalid JSON"):
+        plan_layout(cfg, 1, 8, check_paths=False)
+
+
 def test_cli_json_and_commands(capsys):
     rc = main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", "--json", "--container", "img.sqsh",
                "--hf-model", "/checkpoints/hf/x", "laconic.budget=1200"])

@@ -253,3 +253,32 @@ def test_phase_parts_are_timed_beside_the_phases(monkeypatch):
     assert "time/policy_update/3" not in m
     assert {k for k in m if k.startswith("time/")} == {f"time/{p}" for p in trainer_mod.PHASES} | {
         "time/logprobs/old", "time/logprobs/reference", "time/policy_update/1", "time/policy_update/2"}
+
+
+def test_stop_signals_record_the_first_signal_agree_on_it_and_ignore_after_the_end():
+    """The trainer's public stop interface (app/run.py drives it): install catches SIGUSR1 / SIGTERM / SIGINT,
+    an early start-up signal is kept unless one arrived since, requested() is the all-ranks verdict (one
+    process here), ignore() leaves a finished run's status alone."""
+    import os
+    import signal
+
+    from laconic_nemo.grpo.trainer import STOP_SIGNALS, StopSignals
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        stop = make_trainer([]).stop
+        assert isinstance(stop, StopSignals) and stop.signal is None
+        stop.install()
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.signal == signal.SIGUSR1 and stop.requested()
+        late = StopSignals()
+        late.install(early=signal.SIGTERM)
+        assert late.signal == signal.SIGTERM and late.requested()
+        os.kill(os.getpid(), signal.SIGINT)  # recorded by the handler installed last
+        assert late.signal == signal.SIGINT
+        StopSignals.ignore()
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

@@ -9,12 +9,11 @@ trains, and prints the closing summary (and the curves).
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 from laconic_nemo.app.task import Task
 from laconic_nemo.grpo.checkpoint import barrier
-from laconic_nemo.grpo.trainer import STOP_SIGNALS, GRPOTrainer, summarize
+from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
 from laconic_nemo.runtime.faults import heartbeat
 
 
@@ -33,19 +32,18 @@ def run(trainer: GRPOTrainer, task: Task, early_signal: int | None = None) -> in
         if is_logger:
             print(msg, flush=True)
 
-    trainer._install_signal_handlers()
-    if early_signal is not None and trainer._stop_signal is None:
-        trainer._stop_signal = early_signal
-    if trainer._should_stop():
+    stop = trainer.stop
+    stop.install(early=early_signal)
+    if stop.requested():
         log("stopped on a signal during start-up; nothing to save yet")
         return 3
     if cfg.warmup.num_steps > 0 and trainer.find_resume_checkpoint() is None:
         from laconic_nemo.app.warmup import warm_up
 
-        if not warm_up(cfg, actor, task.warmup_example, task.pad_id, trainer.rank, log, trainer._should_stop):
+        if not warm_up(cfg, actor, task.warmup_example, task.pad_id, trainer.rank, log, stop.requested):
             log("stopped on a signal during the warm-up; its progress is saved and a rerun continues it")
             return 3
-        if trainer._should_stop():
+        if stop.requested():
             log("stopped on a signal after the warm-up; the warmed-up policy is cached")
             return 3
     heartbeat("resume")
@@ -77,11 +75,6 @@ def run(trainer: GRPOTrainer, task: Task, early_signal: int | None = None) -> in
             log(f"wrote {png}")
     if status != "finished":
         return 3
-    # Finished: a stop signal from here on has nothing to stop. Ignore them, so that one arriving while the
-    # interpreter exits (Python then restores the default action, which kills) still leaves status 0.
-    for s in STOP_SIGNALS:
-        try:
-            signal.signal(s, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            pass
+    # Finished: a stop signal from here on has nothing to stop (status 0 even while the interpreter exits).
+    stop.ignore()
     return 0

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from laconic_nemo.config import Config, ConfigError
+from laconic_nemo.config import Config, ConfigError, LayoutError
 from laconic_nemo.grpo.trainer import RewardFn
 
 
@@ -74,14 +74,16 @@ def build_task(cfg: Config) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from laconic_nemo.plan.model_folder import load_hf_tokenizer
+    from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config, load_hf_tokenizer
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
     from laconic_nemo.data.datasets import check_prompt_lengths
-    from laconic_nemo.plan.layout import hf_config
 
-    hf = hf_config(str(cfg.model.path)) or {}
+    try:
+        hf = hf_config(str(cfg.model.path)) or {}
+    except HFConfigError as exc:
+        raise LayoutError(str(exc)) from None
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
     try:  # the pre-flight checked this already (laconic_nemo.plan.preflight); under torchrun / srun too
         check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,

@@ -102,7 +102,7 @@ def run(args) -> int:
         return 2
     # The launcher (or a lone process) stops here at once. A rank of a multi-rank run must not: the others
     # would wait for it in the rendezvous or a collective forever. It goes on to the trainer, where every
-    # rank agrees on the stop (GRPOTrainer._should_stop is an all-reduce) and they leave together.
+    # rank agrees on the stop (GRPOTrainer.stop.requested is an all-reduce) and they leave together.
     if _EARLY_SIGNAL and (launcher or int(os.environ.get("WORLD_SIZE", "1")) == 1):
         print(f"laconic-nemo train: stopped on signal {_EARLY_SIGNAL[0]} during start-up; nothing to save yet",
               file=sys.stderr)

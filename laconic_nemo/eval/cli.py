@@ -92,12 +92,11 @@ def check_args(args) -> str | None:
         return (f"--model {args.model!r} has no config.json: not a Hugging Face checkpoint folder, nor a training "
                 "run or checkpoint to export")
     if not run_like:
-        from laconic_nemo.config import ConfigError
-        from laconic_nemo.plan.layout import hf_config
+        from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config
 
         try:
             hf_config(model)  # a config.json that is not a JSON object: named with its line
-        except ConfigError as exc:
+        except HFConfigError as exc:
             return f"--model {args.model!r}: {exc}"
     try:
         parse_benchmarks(args.benchmarks)

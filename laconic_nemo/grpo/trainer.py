@@ -88,6 +88,44 @@ PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
+class StopSignals:
+    """The stop request of a run: SIGUSR1 / SIGTERM / SIGINT (:data:`STOP_SIGNALS`) caught by :meth:`install`,
+    agreed on by every rank through :meth:`requested` (an all-reduce: one rank's signal stops them all at the
+    same point, so they leave together)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the first stop signal this process received, or None
+
+    def install(self, early: int | None = None) -> None:
+        """Catch the stop signals from now on (each one records itself in :attr:`signal`). ``early``: a stop
+        signal this process received before (while starting up), recorded unless one is already."""
+        def handler(signum, _frame):
+            self.signal = signum
+
+        for s in STOP_SIGNALS:
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # not the main thread (e.g. under some test runners)
+                pass
+        if early is not None and self.signal is None:
+            self.signal = early
+
+    def requested(self) -> bool:
+        """Whether any rank received a stop signal (collective: every rank calls it at the same point)."""
+        flag = allreduce_sum([1.0 if self.signal is not None else 0.0])
+        return bool(flag.item() > 0)
+
+    @staticmethod
+    def ignore() -> None:
+        """Ignore the stop signals from now on (a finished run has nothing to stop: one that arrives while the
+        interpreter exits, when Python restores the default action that kills, still leaves its status)."""
+        for s in STOP_SIGNALS:
+            try:
+                signal.signal(s, signal.SIG_IGN)
+            except ValueError:  # not the main thread
+                pass
+
+
 def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
                       truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                       budgets: torch.Tensor | None = None, lams: torch.Tensor | None = None,
@@ -206,7 +244,7 @@ class GRPOTrainer:
         self.metrics = MetricsWriter(self.out, self.rank, actor.dp_rank, self.num_steps, cfg.run.log_every)
         self._metric_sinks = metric_sinks if metric_sinks is not None else functools.partial(build_sinks, cfg)
         self.step = 0
-        self._stop_signal: int | None = None
+        self.stop = StopSignals()
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
 
@@ -243,21 +281,6 @@ class GRPOTrainer:
     def lam(self) -> float:
         """lambda of the next step: the controller's, or the shaper's constant."""
         return self.dual.value if self.dual is not None else self._constant_lambda
-
-    # ------------------------------------------------------------------ signals / preemption
-    def _install_signal_handlers(self):
-        def handler(signum, _frame):
-            self._stop_signal = signum
-
-        for s in STOP_SIGNALS:
-            try:
-                signal.signal(s, handler)
-            except ValueError:  # not the main thread (e.g. under some test runners)
-                pass
-
-    def _should_stop(self) -> bool:
-        flag = allreduce_sum([1.0 if self._stop_signal is not None else 0.0])
-        return bool(flag.item() > 0)
 
     # ------------------------------------------------------------------ one step
     def _rollout(self, step: int, timer: Timer) -> Rollout:
@@ -536,7 +559,7 @@ class GRPOTrainer:
             self.metrics.close()
 
     def _train_loop(self) -> str:
-        self._install_signal_handlers()
+        self.stop.install()
         every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
@@ -544,7 +567,7 @@ class GRPOTrainer:
             self.step += 1
             self.longest_step_s = max(self.longest_step_s or 0.0, float(m["step_seconds"]))
             # a signal during the last step changes nothing: the run is over once its checkpoint is written
-            stop = self._should_stop() and self.step < self.num_steps
+            stop = self.stop.requested() and self.step < self.num_steps
             # The row goes to metrics.jsonl BEFORE the step's checkpoint: a crash in between then costs a
             # recomputed step (resume truncates the rows past the checkpoint), never a lost row. Hence
             # time/checkpoint is the checkpoint written after the previous step.
@@ -562,11 +585,11 @@ class GRPOTrainer:
                 last_checkpoint_seconds = 0.0
             if stop:
                 if self.is_logger:
-                    print(f"stopping on signal {self._stop_signal} after step {self.step}; checkpoint written",
+                    print(f"stopping on signal {self.stop.signal} after step {self.step}; checkpoint written",
                           file=sys.stderr, flush=True)
                 return "preempted"
-        if self._stop_signal is not None and self.is_logger:
-            print(f"signal {self._stop_signal} arrived during the last step: the run is finished, nothing to resume",
+        if self.stop.signal is not None and self.is_logger:
+            print(f"signal {self.stop.signal} arrived during the last step: the run is finished, nothing to resume",
                   file=sys.stderr, flush=True)
         return "finished"
 

@@ -10,10 +10,10 @@ model, no GPU. A bad layout or key raises :class:`~laconic_nemo.config.LayoutErr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config
 from laconic_nemo.config import Config, LayoutError, check_layout
 
 
@@ -72,32 +72,6 @@ def _invalid(key: str, value, allowed: str) -> None:
     raise LayoutError(f"{key} = {value!r} is invalid: allowed {allowed}")
 
 
-def hf_config(path: str | None) -> dict | None:
-    """The HF ``config.json`` next to (or inside) ``path`` when it is here, else None. A ``config.json`` that is
-    not a JSON object raises LayoutError naming the file and the line."""
-    if not path:
-        return None
-    p = Path(path)
-    for cand in (p / "config.json", p.parent / "config.json"):
-        if cand.is_file():
-            try:
-                data = json.loads(cand.read_bytes().decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                from laconic_nemo.config import not_utf8
-
-                raise LayoutError(f"{cand} {not_utf8(cand, exc)}") from None
-            except ValueError as exc:
-                line = f" line {exc.lineno}" if hasattr(exc, "lineno") else ""
-                raise LayoutError(f"{cand}{line}: invalid JSON ({getattr(exc, 'msg', exc)}); the model folder's "
-                                  "config.json must be the checkpoint's JSON configuration") from None
-            except OSError as exc:
-                raise LayoutError(f"{cand}: unreadable ({exc.strerror})") from None
-            if not isinstance(data, dict):
-                raise LayoutError(f"{cand}: a JSON object expected (the checkpoint's configuration)")
-            return data
-    return None
-
-
 def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
                 check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0) -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
@@ -131,7 +105,10 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
     mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
 
     m = cfg.model
-    hf = hf_config(hf_model if m.source == "nemo" else (m.shape_from if m.source == "synthetic" else m.path))
+    try:
+        hf = hf_config(hf_model if m.source == "nemo" else (m.shape_from if m.source == "synthetic" else m.path))
+    except HFConfigError as exc:
+        raise LayoutError(str(exc)) from None
     if m.shape_from and check_paths and hf is None:
         _fail("model.shape_from", m.shape_from, "a Hugging Face config.json (or its folder) that exists")
     heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)

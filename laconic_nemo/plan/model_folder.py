@@ -14,7 +14,8 @@ cluster job starts (:func:`check_model_folder`), and the NeMo overrides that bea
 * NeMo overrides: a launch's ``key=value`` arguments prefixed ``nemo.`` go to the NeMo-Aligner config
   (:func:`split_overrides`); the end strings one of them may set (:data:`END_STRINGS_KEY`) are checked here too.
 
-Pure Python; ``transformers`` is imported only by :func:`load_hf_tokenizer`.
+Pure Python; ``transformers`` is imported only by the bridge's
+:func:`~laconic_nemo.bridge.hf_folder.load_hf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
+from laconic_nemo.bridge.hf_folder import load_hf_tokenizer
 from laconic_nemo.config import Config, LayoutError
 
 END_STRINGS_KEY = "model.reinforce.sampling_params.end_strings"
@@ -122,13 +124,6 @@ def check_converter_folder(path: str | Path) -> None:
         missing = [f for f in ("tokenizer.json", "vocab.json", "merges.txt") if not (p / f).is_file()]
         raise FileNotFoundError(f"{p} holds no tokenizer: {', '.join(str(p / f) for f in missing)} missing "
                                 "(tokenizer.json, or vocab.json + merges.txt)")
-
-
-def load_hf_tokenizer(path: str | Path):
-    """The fast tokenizer of an HF folder (as NeMo's ``AutoTokenizer`` loads it: ``use_fast=True``)."""
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(path), use_fast=True)
 
 
 def hf_text_to_ids(tok) -> TextToIds:

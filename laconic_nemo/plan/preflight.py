@@ -92,8 +92,8 @@ def check_recipe(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", 
 
 def _check_prompts(cfg: Config, tok: Any, folder: str) -> None:
     """Every data row's prompt, tokenised as the trainer does, leaves room for rollout.max_new_tokens."""
+    from laconic_nemo.bridge.hf_folder import hf_config
     from laconic_nemo.data.datasets import check_prompt_lengths, load_math_prompts
-    from laconic_nemo.plan.layout import hf_config
 
     items = load_math_prompts([str(f) for f in cfg.data.train_files], str(cfg.data.prompt_template))
     context = int((hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))

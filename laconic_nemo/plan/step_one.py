@@ -182,7 +182,7 @@ def _preview(cfg: Config, out: StepOneBuild, tok_path: str | None, tok: Any = No
     if tok_path is None:
         return
     if tok is None:
-        from laconic_nemo.plan.model_folder import load_hf_tokenizer
+        from laconic_nemo.bridge.hf_folder import load_hf_tokenizer
 
         tok = load_hf_tokenizer(tok_path)
     if tok.eos_token_id is None:

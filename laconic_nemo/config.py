@@ -34,7 +34,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from laconic_nemo.core.constraints import CarryOver
-from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
+from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, DualSettings
 from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
 
@@ -417,6 +417,10 @@ share. Beside the mean (or per-class) constraint. null: no tail constraint""", g
 (0) under 0/1 rewards, as the paper's Lambda does for lambda (inferred)""", ge=0)
     tail_init: float = opt(0.0, "initial mu, in [0, tail_ceiling]", ge=0)
 
+    def dual(self, max_length: float | None) -> DualSettings:
+        """The settings of lambda's controller (and of each budget class's) with L_max = ``max_length``."""
+        return DualSettings.of(self, max_length)
+
 
 @dataclass(slots=True)
 class RewardConfig:
@@ -577,8 +581,8 @@ class Config:
         # controller, but its keys still hold valid values (their lambda_init is not bounded by a ceiling)
         adaptive = lc.shaper in ("laconic", "linear")
         try:
-            check_dual(lc.budget, lc.eta, lc.ceiling, lc.floor, lc.lambda_init if adaptive else 0.0, lc.controller,
-                       lc.kp, lc.kd, lmax if adaptive else None)
+            dual = lc.dual(lmax if adaptive else None)
+            (dual if adaptive else dataclasses.replace(dual, lambda_init=0.0)).check()
         except DualSettingError as exc:
             raise ConfigError(f"{_DUAL_KEYS.get(exc.key, 'laconic.' + exc.key)} = {exc.value!r} is invalid: allowed "
                               f"{exc.allowed}") from None
@@ -676,7 +680,7 @@ def _check_constraints(cfg: "Config") -> None:
 
 
 _MISSING = object()
-# core.dual.check_dual's argument names -> recipe keys
+# core.dual.check_dual's argument names -> recipe keys (DualSettings.check)
 _DUAL_KEYS = {"init": "laconic.lambda_init", "max_length": "rollout.max_new_tokens"}
 
 

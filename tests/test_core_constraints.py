@@ -381,3 +381,82 @@ def test_bad_values_in_a_saved_tail_state_are_named():
     assert tail_state_problem({**state, "dual": {**state["dual"], "lam": "0.3"}})[:2] == ("dual.lam", "0.3")
     assert tail_state_problem({**state, "share": 1.5})[:2] == ("share", 1.5)
     assert tail_state_problem(None)[0] == ""
+
+
+# ------------------------------------------------------------------ the run's constraints, one object
+def _settings(**kw):
+    from types import SimpleNamespace
+
+    base = dict(shaper="laconic", budget=15.0, eta=0.5, ceiling=3.0, lambda_init=0.2, floor=0.0, controller="integral",
+                kp=0.0, kd=0.0, per_prompt_budget=False, budget_classes=None, tail_budget=None, tail_share=0.25,
+                tail_eta=0.2, tail_ceiling=1.0, tail_init=0.1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_constraints_object_runs_every_dual_step_of_a_step_by_hand():
+    """Budget classes {2, 4}, a tail constraint (B_tail 5, q 0.25) and the marker [7], through the four calls of
+    a step, against values worked by hand."""
+    from laconic_nemo.core import Constraints
+
+    c = Constraints.build(_settings(per_prompt_budget=True, tail_budget=5.0), 40, budgets=[4, 2, 4], marker=[7])
+    assert c.dual is None and c.lam == 0.0 and c.classes.names == ["2", "4"] and c.beyond_mean
+    tokens = torch.full((4, 8), 5)
+    tokens[0, 1 + 2] = 7  # row 0 closes its reasoning after 2 tokens
+    L, closed = c.lengths(torch.tensor([4, 4, 6, 6]), tokens, torch.ones(4, dtype=torch.long),
+                          torch.tensor([4, 4, 6, 6]))
+    assert L.tolist() == [2, 4, 6, 6] and closed.tolist() == [True, False, False, False]
+    budgets = torch.tensor([2.0, 4.0, 2.0, 4.0])
+    lams, tail = c.penalties(L, budgets, 2)
+    assert lams.tolist() == [[0.2, 0.2], [0.2, 0.2]] and tail.tolist() == [[0.0, 0.0], [0.1, 0.1]]
+    counts = c.counts(L, budgets, closed)
+    assert counts == [8, 10, 2, 2, 2, 4, 1]  # sum of L per budget, responses per budget, tail, responses, closed
+    lam_used, lam_next, m = c.step(4.5, counts)
+    assert (lam_used, lam_next) == (0.0, 0.0)
+    assert m == {"laconic/lambda/class_2": 0.2, "laconic/length_ratio/class_2": 2.0,     # 8 / 2 / 2
+                 "laconic/lambda/class_4": 0.2, "laconic/length_ratio/class_4": 1.25,    # 10 / 4 / 2
+                 "laconic/mu_tail": 0.1, "laconic/tail_share": 0.5,
+                 "laconic/reasoning_length_mean": 4.5, "laconic/reasoning_closed_share": 0.25}
+    assert c.classes.values() == pytest.approx([0.2 + 0.5 * (2.0 - 1), 0.2 + 0.5 * (1.25 - 1)])
+    assert c.tail.value == pytest.approx(0.1 + 0.2 * (0.5 / 0.25 - 1))
+    assert set(c.state_dict()) == {"classes", "tail"} and set(c.state_dict()["classes"]["classes"]) == {"2", "4"}
+
+
+def test_constraints_object_without_constraints_beyond_the_mean_is_lambda_alone():
+    from laconic_nemo.core import Constraints
+
+    c = Constraints.build(_settings(), 40)
+    assert c.dual.ceiling == 3.0 and c.lam == 0.2 and not c.beyond_mean and c.state_dict() is None
+    assert c.counts(torch.tensor([1, 2]), None, None) == []
+    assert c.step(20.0, []) == (0.2, pytest.approx(0.2 + 0.5 * (20 / 15 - 1)), {})
+    fixed = Constraints.build(_settings(shaper="fixed"), 40)
+    assert fixed.dual is None and fixed.lam == 0.2 and fixed.step(20.0, [])[:2] == (0.2, 0.2)
+    assert Constraints.build(_settings(per_prompt_budget=True), 40).classes is None  # budgets not given: not built
+
+
+def test_one_dual_settings_type_for_the_config_the_classes_and_the_plug_ins():
+    """The controller knobs are written once (core.dual.DualSettings): the config hands them over, the budget
+    classes take them whole, the plug-ins' settings are one; each builds the controller the kwargs built."""
+    from pathlib import Path
+
+    from laconic_nemo.config import load_config
+    from laconic_nemo.core import DualController, DualSettings, lambda_controller
+    from laconic_nemo.integrations.common import LaconicSettings
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.yaml",
+                      ["laconic.controller=pid", "laconic.kp=0.3", "laconic.floor=0.01"])
+    lc, lmax = cfg.laconic, cfg.rollout.max_new_tokens
+    s = lc.dual(lmax)
+    assert isinstance(s, DualSettings) and (s.kp, s.floor, s.max_length, s.budget) == (0.3, 0.01, lmax, lc.budget)
+    assert s.build().state_dict() == lambda_controller(lc, lmax).state_dict() == DualController(
+        lc.budget, lc.eta, ceiling=lc.ceiling, max_length=lmax, init=lc.lambda_init, floor=0.01, controller="pid",
+        kp=0.3).state_dict()
+    with pytest.raises(AttributeError):
+        s.eta = 1.0  # frozen
+    plug = LaconicSettings(budget=10, eta=0.25, ceiling=0.7, lambda_init=0.3)
+    assert isinstance(plug, DualSettings) and plug.controller_for().state_dict() == \
+        DualSettings(10, 0.25, ceiling=0.7, lambda_init=0.3).build().state_dict()
+    whole = BudgetClasses([10, 20], None, DualSettings(budget=99.0, eta=0.5, ceiling=3.0, lambda_init=0.1))
+    named = BudgetClasses([10, 20], None, eta=0.5, ceiling=3.0, lambda_init=0.1)
+    assert whole.state_dict() == named.state_dict()
+    with pytest.raises(TypeError, match="not both"):
+        BudgetClasses([10], None, DualSettings(1.0, 0.5), eta=0.5)

@@ -210,3 +210,20 @@ def test_l1_shapers_take_a_set_of_stated_targets(tmp_path):
     L = [10, 20, 30, 40, 50, 60, 70, 80]
     gaps = [abs(n - x) for n in targets for x in L]
     assert m["shaper/mean_abs_target_gap"] == pytest.approx(sum(gaps) / len(gaps))
+
+
+def test_plan_and_the_trainer_build_the_same_constraints(tmp_path):
+    """`plan` (plan/step_one.py) and GRPOTrainer build their multipliers with one call (grpo.constraints.
+    build_constraints): the same lambda controller settings, the same classes, the same tail constraint."""
+    from laconic_nemo.core.dual import STATE_SETTINGS
+    from laconic_nemo.plan.step_one import build_step_one
+
+    t = make(["laconic.controller=pid", "laconic.kp=0.2", "laconic.tail_budget=40"], tmp_path)
+    built = build_step_one(t.cfg)
+    assert built.dual == {k: v for k, v in t.dual.state_dict().items() if k in STATE_SETTINGS}
+    assert built.dual["kp"] == 0.2 and built.lambda_init == t.lam
+    assert any("B_tail = 40" in line for line in built.constraints) and t.tail.tail_budget == 40.0
+    per = make(["laconic.per_prompt_budget=true", "data.target_lengths=[20,45,90]", "laconic.eta=0.5"], tmp_path)
+    lines = build_step_one(per.cfg).constraints
+    assert per.dual is None and per.classes.names == ["20", "45", "90"]
+    assert any("3 classes" in line and "20 (lambda_init 0" in line for line in lines)

@@ -9,6 +9,7 @@ from laconic_nemo.core.advantages import ADVANTAGE_STD, as_groups, group_advanta
 from laconic_nemo.core.constraints import (
     BudgetClasses,
     CarryOver,
+    Constraints,
     ConstraintStateMismatch,
     TailConstraint,
     classes_state_problem,
@@ -28,6 +29,7 @@ from laconic_nemo.core.costs import (
 )
 from laconic_nemo.core.dual import (
     DualController,
+    DualSettings,
     check_dual,
     default_ceiling,
     dual_state_problem,
@@ -47,8 +49,8 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint",
-    "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem", "local_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "ADVANTAGE_STD", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint",
+    "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem", "local_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "DualSettings", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
     "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
     "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
     "shaper_state", "shaping_metrics",

@@ -38,15 +38,18 @@ value, allowed) without a run to load it into.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from laconic_nemo.core.dual import DualController, dual_state_problem
+from laconic_nemo.core.costs import per_prompt_cost64
+from laconic_nemo.core.dual import DualController, DualSettings, dual_state_problem, next_lambda
+from laconic_nemo.core.shapers import constant_lambda, lambda_controller
 
-__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint", "class_name",
+__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "class_name",
            "classes_state_problem", "find_marker", "local_counts", "match_classes", "per_prompt_cost64",
            "reasoning_lengths", "saved_classes", "tail_state_problem"]
 
@@ -94,12 +97,6 @@ def reasoning_lengths(tokens: torch.Tensor, prompt_lengths: torch.Tensor, respon
 # ------------------------------------------------------------------------------------------------------------------
 # per-prompt budgets and their classes
 # ------------------------------------------------------------------------------------------------------------------
-def per_prompt_cost64(lengths64: torch.Tensor, budgets64: torch.Tensor, linear: bool = False) -> torch.Tensor:
-    """``c_i = max((L_i - B_i) / B_i, 0)`` (``linear``: without the clip), elementwise in float64 ([...] shapes)."""
-    c = (lengths64 - budgets64) / budgets64
-    return c if linear else c.clamp_min(0.0)
-
-
 def class_name(lo: float, hi: float | None = None) -> str:
     """The metric suffix of a class: its budget (``500``), or its bin ``[lo, hi)`` (``500-1000``)."""
     def num(x: float) -> str:
@@ -115,15 +112,20 @@ class BudgetClasses:
             finite number > 0; the distinct ones, sorted, are the key space of the all-reduced counts.
         edges: bin edges ``e_0 < e_1 < ... < e_K`` (K classes ``[e_k, e_{k+1})``, the last one closed), or None:
             one class per distinct budget. Every budget must fall in a bin and every bin must hold a budget.
-        eta, floor, lambda_init, ceiling, controller, kp, kd: the settings of every class's controller (as
-            lambda's); ceiling None: ``Lambda_k = b / (L_max - b)`` with b the class's smallest budget (the
-            paper's ceiling for the largest cost of the class), which needs L_max > b.
-        max_length: L_max.
+        dual: the settings of every class's controller (lambda's, :class:`~laconic_nemo.core.dual.DualSettings`;
+            its budget is not used: a class's controller reads the ratio rho_k against 1); ceiling None:
+            ``Lambda_k = b / (L_max - b)`` with b the class's smallest budget (the paper's ceiling for the largest
+            cost of the class), which needs L_max = ``dual.max_length`` > b.
+        **settings: instead of ``dual``, its fields by name (eta, ceiling, max_length, lambda_init, ...).
     """
 
-    def __init__(self, budgets: Sequence[float], edges: Sequence[float] | None, *, eta: float, floor: float = 0.0,
-                 lambda_init: float = 0.0, ceiling: float | None = None, max_length: float | None = None,
-                 controller: str = "integral", kp: float = 0.0, kd: float = 0.0):
+    def __init__(self, budgets: Sequence[float], edges: Sequence[float] | None, dual: DualSettings | None = None,
+                 **settings: Any):
+        if dual is None:
+            dual = DualSettings(budget=1.0, **settings)
+        elif settings:
+            raise TypeError("BudgetClasses takes the controller settings as dual or by name, not both")
+        ceiling, max_length = dual.ceiling, dual.max_length
         values = sorted({float(b) for b in budgets})
         if not values:
             raise ValueError("per-prompt budgets: no budget given")
@@ -164,8 +166,7 @@ class BudgetClasses:
                     raise ValueError(f"budget {b:g} must be < L_max = {max_length:g} for the default ceiling")
                 lam_ceiling = b / (max_length - b)
             # the controller's error is rho_k - 1: its "budget" is 1 and it reads the ratio rho_k as the mean
-            self.duals.append(DualController(1.0, eta, ceiling=lam_ceiling, init=lambda_init, floor=floor,
-                                             controller=controller, kp=kp, kd=kd))
+            self.duals.append(dataclasses.replace(dual, budget=1.0, ceiling=lam_ceiling, max_length=None).build())
 
     def _bin(self, b: float) -> int | None:
         e = self.edges
@@ -559,3 +560,116 @@ def local_counts(lengths: torch.Tensor, budget_index: torch.Tensor | None, num_b
     out.append(int(tail.in_tail(L).sum()) if tail is not None else 0)
     out.append(int(L.numel()))
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the run's constraints, one object
+# ------------------------------------------------------------------------------------------------------------------
+class Constraints:
+    """The Lagrangian constraints of a run and their multipliers: the mean-length controller (lambda, or the
+    shaper's constant lambda), the budget classes, the tail constraint and the end-of-reasoning marker. The trainer
+    and ``plan`` build it with :meth:`build`; one GRPO step reads it three times: :meth:`lengths` (L as the
+    constraints see it), :meth:`penalties` (each response's multiplier and tail term for the shaper) and, after
+    the all-reduce of :meth:`counts`, :meth:`step` (every dual step, and the metrics).
+
+    dual: lambda's controller (None: a shaper without one, or per-prompt budgets). constant: lambda without a
+    controller. classes / tail / marker: None where the recipe does not ask for them (marker: its token ids).
+    """
+
+    def __init__(self, dual: DualController | None, constant: float, classes: BudgetClasses | None,
+                 tail: TailConstraint | None, marker: Sequence[int] | None):
+        self.dual, self.constant = dual, constant
+        self.classes, self.tail = classes, tail
+        self.marker = None if marker is None else [int(t) for t in marker]
+
+    @classmethod
+    def build(cls, settings: Any, max_length: float, budgets: Sequence[float] | None = None,
+              marker: Sequence[int] | None = None) -> "Constraints":
+        """The constraints of the ``laconic:`` settings (``LaconicConfig``: shaper, the controller settings,
+        per_prompt_budget, budget_classes, tail_*) with L_max = ``max_length``. ``budgets``: every budget a prompt
+        of the run can have (per-prompt budgets; None: the classes are not built, as ``plan`` without the data
+        files). ``marker``: the end-of-reasoning marker's token ids (None: L counts the whole response)."""
+        s = settings
+        if s.per_prompt_budget:  # one multiplier per budget class instead of lambda (lambda is then 0)
+            dual, constant = None, 0.0
+            classes = None if budgets is None else BudgetClasses(budgets, s.budget_classes,
+                                                                 DualSettings.of(s, max_length))
+        else:
+            dual, constant, classes = lambda_controller(s, max_length), constant_lambda(s), None
+        tail = None if s.tail_budget is None else TailConstraint(s.tail_budget, s.tail_share, s.tail_eta,
+                                                                 s.tail_ceiling, s.tail_init)
+        return cls(dual, constant, classes, tail, marker)
+
+    @property
+    def lam(self) -> float:
+        """lambda of the next step: the controller's, or the shaper's constant."""
+        return self.dual.value if self.dual is not None else self.constant
+
+    @property
+    def beyond_mean(self) -> bool:
+        """Any constraint beyond the mean is on (its counts ride on the step's all-reduce)."""
+        return self.marker is not None or self.classes is not None or self.tail is not None
+
+    def lengths(self, lengths: torch.Tensor, tokens: torch.Tensor, prompt_lengths: torch.Tensor,
+                response_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """L as the constraints see it: [N] ``lengths``, or with the marker the reasoning span's length where the
+        response closes it (:func:`reasoning_lengths`; tokens [N, T]). Returns (L [N], closed [N] bool or None)."""
+        if self.marker is None:
+            return lengths, None
+        span, closed = reasoning_lengths(tokens, prompt_lengths, response_lengths, self.marker)
+        return torch.where(closed, span, lengths), closed
+
+    def penalties(self, lengths: torch.Tensor, budgets: torch.Tensor | None, G: int
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the shaper takes of this step's multipliers, grouped [P, G]: each response's class multiplier
+        lambda_k(i) (float64, None without classes) and the tail term ``mu 1[L > B_tail]`` (None without a tail
+        constraint). lengths / budgets: [N]."""
+        lams = None if self.classes is None else self.classes.multipliers(budgets).view(-1, G)
+        tail = None if self.tail is None else self.tail.penalty64(lengths, self.tail.value).view(-1, G)
+        return lams, tail
+
+    def counts(self, lengths: torch.Tensor, budgets: torch.Tensor | None, closed: torch.Tensor | None) -> list[int]:
+        """This rank's integer counts of the constraints beyond the mean, to all-reduce: per distinct budget (sum
+        of L, responses), tail count, responses (:func:`local_counts`), then the responses that closed their
+        reasoning. Empty when there is no such constraint."""
+        if not self.beyond_mean:
+            return []
+        c = self.classes
+        out = local_counts(lengths, None if c is None else c.budget_index(budgets), 0 if c is None else len(c.budgets),
+                           self.tail)
+        return out + [int(closed.sum()) if closed is not None else 0]
+
+    def step(self, global_mean_length: float, counts: Sequence[int]) -> tuple[float, float, dict[str, Any]]:
+        """Every dual step of the step, from the all-reduced statistics (the same integers on every rank, so the
+        same multipliers bit for bit): lambda's on ``global_mean_length``, then each budget class's and the tail
+        constraint's on ``counts`` (the all-reduced :meth:`counts`). A class without a response keeps its
+        multiplier (its ratio is null). Returns (lambda used, lambda next, the constraints' metrics: each
+        multiplier used this step and its constraint's measured value)."""
+        lam_used = self.lam
+        lam_next = next_lambda(self.dual, lam_used, global_mean_length)
+        out: dict[str, Any] = {}
+        if not self.beyond_mean:
+            return lam_used, lam_next, out
+        c = self.classes
+        if c is not None:
+            used = c.values()
+            ratios = c.update(list(counts[:-3]))
+            for name, lam_k, rho in zip(c.names, used, ratios):
+                out[f"laconic/lambda/class_{name}"] = lam_k
+                out[f"laconic/length_ratio/class_{name}"] = rho
+        tail_count, n, closed = counts[-3], counts[-2], counts[-1]
+        if self.tail is not None:
+            out["laconic/mu_tail"] = self.tail.value
+            out["laconic/tail_share"] = self.tail.update(tail_count, n)
+        if self.marker is not None:
+            out["laconic/reasoning_length_mean"] = global_mean_length
+            out["laconic/reasoning_closed_share"] = closed / n
+        return lam_used, lam_next, out
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The ``constraints`` entry of a checkpoint's trainer state (classes by key, the tail by its settings), or
+        None without classes or tail (lambda's state is the ``shaper`` entry, :func:`~laconic_nemo.core.shaper_state`)."""
+        if self.classes is None and self.tail is None:
+            return None
+        return {"classes": None if self.classes is None else self.classes.state_dict(),
+                "tail": None if self.tail is None else self.tail.state_dict()}

@@ -16,7 +16,7 @@ import math
 import torch
 
 __all__ = ["clipped_cost", "linear_cost", "clipped_cost64", "linear_cost64", "lagrangian_reward", "length_penalty",
-           "check_budget", "float_dtype_of", "cost_lengths"]
+           "check_budget", "float_dtype_of", "cost_lengths", "per_prompt_cost64"]
 
 
 def check_budget(budget: float, name: str = "budget") -> float:
@@ -150,3 +150,9 @@ def length_penalty(costs: torch.Tensor, lam: float | torch.Tensor, penalty_cap: 
     if hit_cap:
         penalty = penalty + hit_cap * truncated.to(torch.float64)
     return penalty
+
+
+def per_prompt_cost64(lengths64: torch.Tensor, budgets64: torch.Tensor, linear: bool = False) -> torch.Tensor:
+    """``c_i = max((L_i - B_i) / B_i, 0)`` (``linear``: without the clip), elementwise in float64 ([...] shapes)."""
+    c = (lengths64 - budgets64) / budgets64
+    return c if linear else c.clamp_min(0.0)

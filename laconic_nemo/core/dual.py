@@ -23,13 +23,17 @@ feeds the same all-reduced mean length gets the same lambda bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "check_dual", "default_ceiling", "dual_state_problem",
+__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "DualSettings", "check_dual", "default_ceiling", "dual_state_problem",
            "load_shaper_state", "next_lambda", "shaper_problem", "shaper_state"]
 
 CONTROLLERS = ("integral", "pid")
+# the settings among a controller's saved state (DualController.state_dict), in its order
+STATE_SETTINGS = ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")
 
 
 class DualSettingError(ValueError):
@@ -91,6 +95,46 @@ def check_dual(budget: float, eta: float, ceiling: float | None, floor: float, i
         raise DualSettingError("init", init, f"in [0, ceiling] = [0, {ceiling!r}] (below floor = {floor!r} is "
                                              "allowed: the first update clips it)")
     return float(ceiling)
+
+
+@dataclass(frozen=True)
+class DualSettings:
+    """The settings of a Lagrange multiplier's controller, named as the recipe's ``laconic:`` keys: the one place
+    they are spelled out. The config hands them over (``LaconicConfig.dual``), the shapers build lambda's controller
+    from them (:func:`~laconic_nemo.core.shapers.lambda_controller`), the budget classes one controller per class,
+    and the framework plug-ins' settings are a subclass (``integrations.common.LaconicSettings``).
+
+    budget: B > 0 (tokens). eta: the dual step >= 0. ceiling: Lambda (None: ``B / (max_length - B)`` when
+    max_length is given, else no upper clip). max_length: L_max. lambda_init: the initial lambda. floor: the lower
+    clip. controller: ``integral`` or ``pid`` with the gains kp, kd (:class:`DualController`)."""
+
+    budget: float
+    eta: float
+    ceiling: float | None = None
+    max_length: float | None = None
+    lambda_init: float = 0.0
+    floor: float = 0.0
+    controller: str = "integral"
+    kp: float = 0.0
+    kd: float = 0.0
+
+    @classmethod
+    def of(cls, section: Any, max_length: float | None) -> "DualSettings":
+        """The controller settings of ``section`` (the ``laconic:`` section, or any object with these names) with
+        L_max = ``max_length``."""
+        names = [f.name for f in dataclasses.fields(DualSettings) if f.name != "max_length"]
+        return DualSettings(**{n: getattr(section, n) for n in names}, max_length=max_length)
+
+    def check(self) -> float:
+        """:func:`check_dual` of these settings: the ceiling Lambda (inf: none), or :class:`DualSettingError`."""
+        return check_dual(self.budget, self.eta, self.ceiling, self.floor, self.lambda_init, self.controller, self.kp,
+                          self.kd, self.max_length)
+
+    def build(self) -> "DualController":
+        """A fresh controller with these settings (lambda = lambda_init)."""
+        return DualController(self.budget, self.eta, ceiling=self.ceiling, max_length=self.max_length,
+                              init=self.lambda_init, floor=self.floor, controller=self.controller, kp=self.kp,
+                              kd=self.kd)
 
 
 class DualController:
@@ -216,7 +260,7 @@ class DualController:
             if state["controller"] != self.controller:
                 raise ValueError(f"dual state mismatch on 'controller': checkpoint has {state['controller']!r}, this "
                                  f"run has {self.controller!r}")
-            for key in ("budget", "eta", "ceiling", "floor", "kp", "kd"):
+            for key in (k for k in STATE_SETTINGS if k != "controller"):  # the controller: just above
                 saved = state[key]
                 if (saved is None) != (mine[key] is None) or (saved is not None and float(saved) != mine[key]):
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "

@@ -24,9 +24,15 @@ from typing import Any, Callable
 
 import torch
 
-from laconic_nemo.core.constraints import per_prompt_cost64
-from laconic_nemo.core.costs import clipped_cost64, float_dtype_of, lagrangian_reward, length_penalty, linear_cost64
-from laconic_nemo.core.dual import DualController
+from laconic_nemo.core.costs import (
+    clipped_cost64,
+    float_dtype_of,
+    lagrangian_reward,
+    length_penalty,
+    linear_cost64,
+    per_prompt_cost64,
+)
+from laconic_nemo.core.dual import DualController, DualSettings
 
 __all__ = ["SHAPERS", "Shaper", "constant_lambda", "lambda_controller", "register_shaper", "shape", "shaping_metrics"]
 
@@ -54,11 +60,9 @@ def lambda_controller(settings: Any, max_length: float | None) -> DualController
     """The lambda controller of an adaptive shaper (registered with ``lam="dual"``: laconic, linear) from the
     ``laconic:`` settings (budget B, eta, ceiling Lambda, lambda_init, floor, controller, kp, kd) and L_max; None
     for the other shapers. One controller per constraint: a run with several constraints holds several."""
-    s = settings
-    if SHAPERS[s.shaper].lam != "dual":
+    if SHAPERS[settings.shaper].lam != "dual":
         return None
-    return DualController(s.budget, s.eta, ceiling=s.ceiling, max_length=max_length, init=s.lambda_init,
-                          floor=s.floor, controller=s.controller, kp=s.kp, kd=s.kd)
+    return DualSettings.of(settings, max_length).build()
 
 
 def constant_lambda(settings: Any) -> float:

@@ -1,7 +1,7 @@
 """The run's constraints beyond the mean, built from its config, and their state across a resume.
 
-:func:`budget_classes` and :func:`tail_constraint` build what the trainer (and ``plan``) build from a config
-(:mod:`laconic_nemo.core.constraints`). :func:`restore_constraints` loads a checkpoint's constraint state into
+:func:`build_constraints` builds what the trainer (and ``plan``) build from a config
+(:class:`laconic_nemo.core.constraints.Constraints`). :func:`restore_constraints` loads a checkpoint's constraint state into
 them: each class by its key (its budget or bin), the tail constraint by its B_tail and q; a class or tail
 constraint that differs from the checkpoint's is refused naming the keys and the checkpoint, unless the
 ``checkpoint.resume_allow_changes`` entries (``class:...``, ``tail:...``; :class:`~laconic_nemo.core.CarryOver`)
@@ -18,6 +18,7 @@ from laconic_nemo.config import Config, defaults, to_dict
 from laconic_nemo.core.constraints import (
     BudgetClasses,
     CarryOver,
+    Constraints,
     ConstraintStateMismatch,
     TailConstraint,
 )
@@ -45,20 +46,12 @@ def run_budgets(cfg: Config) -> list[float] | None:
                           cfg.rollout.max_new_tokens)
 
 
-def budget_classes(cfg: Config, budgets: Sequence[float]) -> BudgetClasses:
-    """The budget classes of ``budgets`` with the controller settings of ``cfg.laconic``."""
-    lc = cfg.laconic
-    return BudgetClasses(budgets, lc.budget_classes, eta=lc.eta, floor=lc.floor, lambda_init=lc.lambda_init,
-                         ceiling=lc.ceiling, max_length=cfg.rollout.max_new_tokens, controller=lc.controller,
-                         kp=lc.kp, kd=lc.kd)
-
-
-def tail_constraint(cfg: Config) -> TailConstraint | None:
-    """The tail constraint of ``cfg.laconic`` (None without ``laconic.tail_budget``)."""
-    lc = cfg.laconic
-    if lc.tail_budget is None:
-        return None
-    return TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+def build_constraints(cfg: Config, budgets: Sequence[float] | None = None, marker: Sequence[int] | None = None
+                      ) -> Constraints:
+    """The run's constraints (:class:`~laconic_nemo.core.constraints.Constraints`: lambda's controller, the budget
+    classes of ``budgets``, the tail constraint, the marker's token ids ``marker``) from ``cfg.laconic`` with
+    L_max = ``rollout.max_new_tokens``; what the trainer and ``plan`` both build."""
+    return Constraints.build(cfg.laconic, cfg.rollout.max_new_tokens, budgets, marker)
 
 
 def carry_over(cfg: Config) -> CarryOver:
@@ -107,9 +100,8 @@ def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], classes: Bud
 def check_constraints_resume(ckpt: str | Path, state: Mapping[str, Any], cfg: Config) -> None:
     """The pre-flight's copy of a rank's restore: build this run's constraints from ``cfg`` and restore ``state``
     into them (:func:`restore_constraints`); ResumeError as a rank would raise it."""
-    budgets = run_budgets(cfg)
-    classes = None if budgets is None else budget_classes(cfg, budgets)
-    restore_constraints(ckpt, state, classes, tail_constraint(cfg), cfg, strict=resume_strict(state, cfg))
+    built = build_constraints(cfg, run_budgets(cfg))
+    restore_constraints(ckpt, state, built.classes, built.tail, cfg, strict=resume_strict(state, cfg))
 
 
 def resume_strict(state: Mapping[str, Any], cfg: Config) -> bool:

@@ -40,15 +40,12 @@ import torch.distributed as dist
 from laconic_nemo.config import Config, check_layout, defaults, state_target, to_dict, to_yaml
 from laconic_nemo.core import (
     BudgetClasses,
+    Constraints,
+    DualController,
     TailConstraint,
-    constant_lambda,
     cost_lengths,
     group_advantages,
-    lambda_controller,
     load_shaper_state,
-    local_counts,
-    next_lambda,
-    reasoning_lengths,
     shape,
     shaper_state,
 )
@@ -61,13 +58,7 @@ from laconic_nemo.grpo.checkpoint import (
     dist_ready,
     find_resume_checkpoint,
 )
-from laconic_nemo.grpo.constraints import (
-    budget_classes,
-    restore_constraints,
-    resume_strict,
-    run_budgets,
-    tail_constraint,
-)
+from laconic_nemo.grpo.constraints import build_constraints, restore_constraints, resume_strict, run_budgets
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -228,12 +219,9 @@ class GRPOTrainer:
         dp = actor.dp_size
         check_layout(cfg, dp)
         self.local_minibatch = cfg.grpo.minibatch_size // dp
-        # the lambda controller (the only state of the shaping) or the shaper's constant lambda; `laconic-nemo plan`
-        # builds the same (laconic_nemo.plan.step_one)
-        # (per-prompt budgets: one multiplier per budget class instead, self.classes; lambda is then 0)
-        self.dual = None if cfg.laconic.per_prompt_budget else lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)
-        self._constant_lambda = 0.0 if cfg.laconic.per_prompt_budget else constant_lambda(cfg.laconic)
-        self._build_constraints(budgets)
+        # the multipliers (the only state of the shaping): lambda's controller or the shaper's constant lambda,
+        # the budget classes, the tail constraint; `laconic-nemo plan` builds the same (laconic_nemo.plan.step_one)
+        self.constraints = self._build_constraints(budgets)
         self.sampler = PromptSampler(len(self.prompts), cfg.grpo.num_prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if dist_ready() else 0
@@ -248,18 +236,18 @@ class GRPOTrainer:
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
 
-    def _build_constraints(self, budgets: Sequence[float] | None) -> None:
-        """The constraints beyond the mean (core/constraints.py): the marker's token ids, the budget classes with
-        their multipliers and the tail constraint, each None when the recipe does not ask for it. ``budgets``: the
-        prompts' B_i (default: read from data.budget_key)."""
+    def _build_constraints(self, budgets: Sequence[float] | None) -> Constraints:
+        """The run's constraints (core/constraints.py) with the marker's token ids and, with per-prompt budgets,
+        the classes of the stated targets or of the prompts' B_i (``budgets``; default: read from data.budget_key,
+        kept in :attr:`prompt_budgets`)."""
         lc, d = self.cfg.laconic, self.cfg.data
-        self.marker_ids = None
+        marker = None
         if lc.reasoning_marker is not None:
-            self.marker_ids = list(self.encode(str(lc.reasoning_marker)))
-            if not self.marker_ids:
+            marker = list(self.encode(lc.reasoning_marker))
+            if not marker:
                 raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
         self.prompt_budgets = None
-        self.classes: BudgetClasses | None = None
+        stated = None
         if lc.per_prompt_budget:
             stated = d.stated_budgets()
             if stated is None:
@@ -269,18 +257,25 @@ class GRPOTrainer:
                     raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
                 self.prompt_budgets = [float(b) for b in budgets]
                 stated = self.prompt_budgets
-            self.classes = budget_classes(self.cfg, stated)
-        self.tail: TailConstraint | None = tail_constraint(self.cfg)
+        return build_constraints(self.cfg, stated, marker)
 
     @property
-    def constrained(self) -> bool:
-        """Any constraint beyond the mean is on."""
-        return self.marker_ids is not None or self.classes is not None or self.tail is not None
+    def dual(self) -> DualController | None:
+        """lambda's controller (None: a shaper without one, or per-prompt budgets)."""
+        return self.constraints.dual
+
+    @property
+    def classes(self) -> BudgetClasses | None:
+        return self.constraints.classes
+
+    @property
+    def tail(self) -> TailConstraint | None:
+        return self.constraints.tail
 
     @property
     def lam(self) -> float:
         """lambda of the next step: the controller's, or the shaper's constant."""
-        return self.dual.value if self.dual is not None else self._constant_lambda
+        return self.constraints.lam
 
     # ------------------------------------------------------------------ one step
     def _rollout(self, step: int, timer: Timer) -> Rollout:
@@ -356,18 +351,12 @@ class GRPOTrainer:
         with timer("shape_advantage"):
             # L as the cost and the dual step see it (laconic.count_eos: EOS counted, hit = L >= L_max)
             lengths, truncated = cost_lengths(gen.lengths, gen.truncated, lc.count_eos)
-            closed = None
-            if self.marker_ids is not None:  # reasoning-only L: the tokens before the marker (unclosed: in full)
-                span, closed = reasoning_lengths(gen.tokens, gen.prompt_lengths, gen.lengths, self.marker_ids)
-                lengths = torch.where(closed, span, lengths)
+            # reasoning-only L: the tokens before the marker (unclosed: in full)
+            lengths, closed = self.constraints.lengths(lengths, gen.tokens, gen.prompt_lengths, gen.lengths)
             # the rank's responses [N] as its groups [P, G]: each prompt's G samples are contiguous (_rollout)
             G = g.group_size
-            budgets, lams, tail_penalty, mu_used = rollout.budgets, None, None, None
-            if self.classes is not None:
-                lams = self.classes.multipliers(budgets).view(-1, G)
-            if self.tail is not None:
-                mu_used = self.tail.value
-                tail_penalty = self.tail.penalty64(lengths, mu_used).view(-1, G)
+            budgets = rollout.budgets
+            lams, tail_penalty = self.constraints.penalties(lengths, budgets, G)
             _, advantages, shaper_metrics = shaped_advantages(
                 self.cfg, task_reward.view(-1, G), lengths.view(-1, G), self.lam,
                 truncated=None if truncated is None else truncated.view(-1, G),
@@ -396,15 +385,11 @@ class GRPOTrainer:
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
-            local = [int(lengths.sum()), lengths.numel()]
-            if self.constrained:  # the constraints' integer counts ride on the same all-reduce
-                local += self._constraint_counts(lengths, budgets, closed)
+            # the constraints' integer counts ride on the same all-reduce
+            local = [int(lengths.sum()), lengths.numel()] + self.constraints.counts(lengths, budgets, closed)
             sums = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64)
             global_mean_length = float(sums[0].item()) / float(sums[1].item())
-            lam_used = self.lam
-            lam_next = next_lambda(self.dual, lam_used, global_mean_length)
-            constraint_metrics = self._constraint_step(sums[2:].tolist(), global_mean_length, mu_used) \
-                if self.constrained else {}
+            lam_used, lam_next, constraint_metrics = self.constraints.step(global_mean_length, sums[2:].tolist())
 
         metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
@@ -422,37 +407,6 @@ class GRPOTrainer:
         if self.is_logger:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
-
-    def _constraint_counts(self, lengths: torch.Tensor, budgets: torch.Tensor | None,
-                           closed: torch.Tensor | None) -> list[int]:
-        """This rank's integer counts of the constraints: per distinct budget (sum of L, responses), tail count,
-        responses (core.constraints.local_counts), then the responses that closed their reasoning."""
-        c = self.classes
-        counts = local_counts(lengths, None if c is None else c.budget_index(budgets),
-                              0 if c is None else len(c.budgets), self.tail)
-        return counts + [int(closed.sum()) if closed is not None else 0]
-
-    def _constraint_step(self, counts: list[int], global_mean_length: float, mu_used: float | None
-                         ) -> dict[str, Any]:
-        """The dual steps of the constraints from the all-reduced counts (the same integers on every rank, so the
-        same multipliers bit for bit) and their metrics: each multiplier used this step and its constraint's
-        measured value. A class without a response keeps its multiplier (its ratio is null)."""
-        out: dict[str, Any] = {}
-        c = self.classes
-        if c is not None:
-            used = c.values()
-            ratios = c.update(counts[:-3])
-            for name, lam_k, rho in zip(c.names, used, ratios):
-                out[f"laconic/lambda/class_{name}"] = lam_k
-                out[f"laconic/length_ratio/class_{name}"] = rho
-        tail_count, n, closed = counts[-3], counts[-2], counts[-1]
-        if self.tail is not None:
-            out["laconic/mu_tail"] = mu_used
-            out["laconic/tail_share"] = self.tail.update(tail_count, n)
-        if self.marker_ids is not None:
-            out["laconic/reasoning_length_mean"] = global_mean_length
-            out["laconic/reasoning_closed_share"] = closed / n
-        return out
 
     def _policy_update(self, batch: TrainBatch, timer: Timer | None = None) -> dict[str, float]:
         """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
@@ -498,11 +452,9 @@ class GRPOTrainer:
             "dp_size": self.actor.dp_size,
             "config": to_dict(self.cfg),
         }
-        if self.classes is not None or self.tail is not None:
-            state["constraints"] = {
-                "classes": None if self.classes is None else self.classes.state_dict(),
-                "tail": None if self.tail is None else self.tail.state_dict(),
-            }
+        constraints = self.constraints.state_dict()
+        if constraints is not None:
+            state["constraints"] = constraints
         return state
 
     def save_checkpoint(self, step: int) -> Path:

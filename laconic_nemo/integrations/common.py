@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from laconic_nemo.core import SHAPERS, DualController, lambda_controller, shape
-from laconic_nemo.core.dual import DualSettingError
+from laconic_nemo.core.dual import DualSettingError, DualSettings
 
 __all__ = ["LENGTH", "STATE_FORMAT", "LaconicSettings", "LaconicState", "dual_shapers"]
 
@@ -40,28 +40,18 @@ def dual_shapers() -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class LaconicSettings:
-    """The LACONIC settings of a plug-in, named as the ``laconic:`` keys of a recipe (docs/algorithm.md).
-
-    budget: B, tokens. eta: dual step size. ceiling: Lambda (None: B / (max_length - B) when max_length is given,
-    else no upper clip). max_length: L_max, the generation limit (a response of that length counts as truncated).
-    lambda_init / floor: initial lambda and lower clip. shaper: ``laconic`` (clipped cost) or ``linear`` (the
-    cost ablation). penalty_cap / hit_cap: the authors' code knobs. controller / kp / kd: ``integral`` (the
-    paper) or ``pid``.
+class LaconicSettings(DualSettings):
+    """The LACONIC settings of a plug-in, named as the ``laconic:`` keys of a recipe (docs/algorithm.md): the
+    controller's (:class:`~laconic_nemo.core.dual.DualSettings`: budget B in tokens, eta, ceiling Lambda (None:
+    B / (max_length - B) when max_length is given, else no upper clip), max_length L_max (a response of that length
+    counts as truncated), lambda_init, floor, controller / kp / kd: ``integral`` (the paper) or ``pid``) and the
+    shaper's: shaper ``laconic`` (clipped cost) or ``linear`` (the cost ablation), penalty_cap / hit_cap (the
+    authors' code knobs).
     """
 
-    budget: float
-    eta: float
-    ceiling: float | None = None
-    max_length: int | None = None
-    lambda_init: float = 0.0
-    floor: float = 0.0
     shaper: str = "laconic"
     penalty_cap: float | None = None
     hit_cap: float = 0.0
-    controller: str = "integral"
-    kp: float = 0.0
-    kd: float = 0.0
 
     def __post_init__(self) -> None:
         allowed = dual_shapers()

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from laconic_nemo.config import Config
-from laconic_nemo.core import SHAPERS, constant_lambda, group_advantages, lambda_controller, shape
+from laconic_nemo.core import SHAPERS, group_advantages, shape
+from laconic_nemo.core.dual import STATE_SETTINGS
 from laconic_nemo.grpo.interfaces import TrainBatch
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 
@@ -24,7 +25,7 @@ class StepOneBuild:
 
     shaper: str
     lambda_init: float
-    dual: dict | None             # DualController settings (budget, eta, ceiling, floor, controller, kp, kd)
+    dual: dict | None             # DualController settings (core.dual.STATE_SETTINGS)
     advantages: dict
     loss: dict
     reward: str
@@ -54,8 +55,10 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     """
     lc, g, lmax = cfg.laconic, cfg.grpo, cfg.rollout.max_new_tokens
     G = g.group_size
-    controller = None if lc.per_prompt_budget else lambda_controller(lc, lmax)  # what GRPOTrainer builds
-    lam = controller.value if controller is not None else constant_lambda(lc)
+    from laconic_nemo.grpo.constraints import build_constraints
+
+    built = build_constraints(cfg)  # lambda's controller as GRPOTrainer builds it (the classes: constraint_lines)
+    controller, lam = built.dual, built.lam
     lengths = torch.tensor([[[1, lmax][i % 2] for i in range(G)]], dtype=torch.long)  # one group [1, G]
     shaped, _ = shape(lc, torch.linspace(0.0, 1.0, G).view(1, G), lengths, lam, max_length=lmax,
                       truncated=lengths >= lmax,
@@ -65,8 +68,7 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     dual = None
     if controller is not None:
         copy.deepcopy(controller).update(float(lengths.float().mean()))
-        dual = {k: v for k, v in controller.state_dict().items()
-                if k in ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")}
+        dual = {k: v for k, v in controller.state_dict().items() if k in STATE_SETTINGS}
 
     loss_kw = {"clip_eps": g.clip_eps, "clip_eps_high": g.clip_eps_high, "clip_dual": g.clip_dual,
                "kl_beta": g.kl_beta, "aggregation": g.loss_aggregation}
@@ -105,7 +107,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
     """Build the constraints beyond the mean as the trainer does (core/constraints.py) and describe each with its
     multipliers; raise ValueError naming the key on a bad one: a marker the tokenizer cannot encode (the synthetic
     task's character tokenizer, or ``tokenizer`` when loaded), a budget class without a budget."""
-    from laconic_nemo.grpo.constraints import budget_classes, tail_constraint
+    from laconic_nemo.grpo.constraints import build_constraints
 
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     lines = []
@@ -149,14 +151,14 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
             lines.append(f"per-prompt budgets from {source} (data files not here: classes built at start)")
         else:
             try:
-                classes = budget_classes(cfg, budgets)
+                classes = build_constraints(cfg, budgets).classes
             except ValueError as exc:
                 raise ValueError(f"laconic.budget_classes: {exc}") from None
             desc = ", ".join(f"{n} (lambda_init {dl.value:g}, Lambda {dl.ceiling:g})"
                              for n, dl in zip(classes.names, classes.duals))
             lines.append(f"per-prompt budgets from {source}: {len(classes)} classes, one multiplier each, eta "
                          f"{lc.eta:g}: {desc}")
-    t = tail_constraint(cfg)
+    t = build_constraints(cfg).tail
     if t is not None:
         lines.append(f"tail: share of L > B_tail = {t.tail_budget:g} at most q = {t.share:g}; mu_init {t.value:g}, "
                      f"eta {lc.tail_eta:g}, ceiling {t.dual.ceiling:g}")

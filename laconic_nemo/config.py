@@ -361,8 +361,21 @@ the weights, swapped by pointer, no copy; on CPU too) | pinned (GPU only: pinned
 host memory, async copies; for models whose second copy does not fit) |
 cpu (pageable host memory, copies) | auto (device)""", choices=REFERENCE_CHOICES)
 
+    @property
+    def rollout_batch(self) -> int:
+        """Responses per step over every data-parallel rank: num_prompts_per_step x group_size."""
+        return self.num_prompts_per_step * self.group_size
+
+    def rollout_per_rank(self, dp: int) -> int:
+        """Responses per step of one of ``dp`` data-parallel ranks (whole groups: :func:`check_layout`)."""
+        return self.rollout_batch // dp
+
+    def minibatch_per_rank(self, dp: int) -> int:
+        """Responses of one optimiser minibatch on one of ``dp`` data-parallel ranks."""
+        return self.minibatch_size // dp
+
     def __post_init__(self):
-        rollout_size = self.num_prompts_per_step * self.group_size
+        rollout_size = self.rollout_batch
         _require(rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
                  f"a divisor of num_prompts_per_step * group_size = {rollout_size}", self.minibatch_size)
         if self.clip_eps_high is not None:
@@ -690,8 +703,8 @@ def check_layout(cfg: Config, dp: int) -> None:
     Every DP rank holds whole groups of G responses, the global rollout batch splits into optimiser minibatches,
     each minibatch into DP x micro-batches, and the warm-up batch over DP. Raises LayoutError naming the key."""
     g = cfg.grpo
-    prompts, G, mini, mbs = int(g.num_prompts_per_step), int(g.group_size), int(g.minibatch_size), int(g.micro_batch_size)
-    rollout = prompts * G
+    prompts, G, mini, mbs, rollout = g.num_prompts_per_step, g.group_size, g.minibatch_size, g.micro_batch_size, \
+        g.rollout_batch
     _fits(prompts % dp == 0, "grpo.num_prompts_per_step", prompts,
           f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}")
     _fits(rollout % mini == 0, "grpo.minibatch_size", mini,
@@ -699,8 +712,8 @@ def check_layout(cfg: Config, dp: int) -> None:
     _fits(mini % dp == 0, "grpo.minibatch_size", mini, f"divisible by DP = {dp}")
     _fits(mini % (dp * mbs) == 0, "grpo.micro_batch_size", mbs,
           f"DP x micro_batch_size = {dp} x {mbs} must divide grpo.minibatch_size = {mini}")
-    if int(cfg.warmup.num_steps) > 0:
-        _fits(int(cfg.warmup.batch_size) % dp == 0, "warmup.batch_size", int(cfg.warmup.batch_size),
+    if cfg.warmup.num_steps > 0:
+        _fits(cfg.warmup.batch_size % dp == 0, "warmup.batch_size", cfg.warmup.batch_size,
               f"divisible by DP = {dp}")
 
 

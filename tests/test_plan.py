@@ -24,6 +24,15 @@ def test_layout_numbers_qwen3_four_nodes():
     assert p.actor == "megatron_core"
 
 
+def test_derived_sizes_are_properties_of_the_config():
+    """The rollout batch and its share per rank come from the config (GRPOConfig), equal to the plan's."""
+    cfg = load_config(QWEN3)
+    g, p = cfg.grpo, plan_layout(cfg, 4, 8, check_paths=False)
+    assert g.rollout_batch == g.num_prompts_per_step * g.group_size == p.rollout_batch
+    assert g.rollout_per_rank(p.dp) == p.samples_per_rank == 128
+    assert g.minibatch_per_rank(p.dp) * p.dp == g.minibatch_size
+
+
 def test_scaling_by_nodes_keeps_the_global_batch():
     cfg = load_config(DEEPSEEK)
     one, two = plan_layout(cfg, 1, 8, check_paths=False), plan_layout(cfg, 2, 8, check_paths=False)

@@ -73,18 +73,17 @@ def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_override
     from laconic_nemo.grpo.metrics import nemo_logger_settings
 
     g, o, r = cfg.grpo, cfg.optim, cfg.rollout
-    tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     world = int(nodes) * int(gpus_per_node)
     dp = world // (tp * pp)
-    samples_per_rank = int(g.num_prompts_per_step) * int(g.group_size) // max(dp, 1)
+    samples_per_rank = g.rollout_per_rank(max(dp, 1))
     # NeMo sets the LR scheduler's length to trainer.max_steps (nemo/core/classes/modelPT.py:694, after
     # megatron_base_model.py:785-787), and NemoAlignerActor.train_step steps it once per optimiser step:
     # rollout batch / minibatch of them per GRPO step
-    optimiser_steps = int(cfg.run.num_steps) * (int(g.num_prompts_per_step) * int(g.group_size)
-                                                // int(g.minibatch_size))
+    optimiser_steps = cfg.run.num_steps * (g.rollout_batch // g.minibatch_size)
     trt_llm = {"enable": False, "reshard": False, "model_type": "llama", "unload_engine_train": False,
-               "max_input_len": 1024, "seed": int(cfg.run.seed)}
-    precision = {"bf16": "bf16", "fp16": 16, "fp32": 32}[str(cfg.model.precision)]
+               "max_input_len": 1024, "seed": cfg.run.seed}
+    precision = {"bf16": "bf16", "fp16": 16, "fp32": 32}[cfg.model.precision]
     nemo = {
         "trainer": {
             "num_nodes": int(nodes), "devices": int(gpus_per_node), "accelerator": "gpu", "precision": precision,
@@ -93,22 +92,22 @@ def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_override
             "reinforce": {"trt_llm": trt_llm},
         },
         "exp_manager": {
-            "exp_dir": None, "name": str(cfg.run.name),
+            "exp_dir": None, "name": cfg.run.name,
             "create_checkpoint_callback": False, "resume_if_exists": False, "resume_ignore_no_checkpoint": True,
             **nemo_logger_settings(cfg, resume_step, rank),
         },
         "pretrained_checkpoint": {"restore_from_path": str(cfg.model.path)},
         "model": {
             "mcore_gpt": True,
-            "micro_batch_size": int(g.micro_batch_size),
-            "global_batch_size": int(g.minibatch_size),
-            "megatron_amp_O2": str(cfg.model.precision) != "fp32",
+            "micro_batch_size": g.micro_batch_size,
+            "global_batch_size": g.minibatch_size,
+            "megatron_amp_O2": cfg.model.precision != "fp32",
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
             # off: sequence parallelism scatters the sequence over TP and megatron asserts it divides
             # (tensor_parallel/mappings.py); rollout widths are arbitrary
             "sequence_parallel": False,
-            "seed": int(cfg.run.seed),
+            "seed": cfg.run.seed,
             "precision": precision,
             "dist_ckpt_format": "torch_dist",
             "optim": {
@@ -121,18 +120,18 @@ def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_override
             },
             "reinforce": {
                 "rollout_micro_batch_size": max(1, samples_per_rank),
-                "num_rollout_samples": int(g.num_prompts_per_step) * int(g.group_size),
-                "forward_micro_batch_size": int(g.micro_batch_size),
+                "num_rollout_samples": g.rollout_batch,
+                "forward_micro_batch_size": g.micro_batch_size,
                 "val_rollout_micro_batch_size": max(1, samples_per_rank),
-                "num_val_samples": int(g.num_prompts_per_step) * int(g.group_size),
+                "num_val_samples": g.rollout_batch,
                 "offload_adam_states": True,
                 "sampling_params": {
-                    "use_greedy": False, "temperature": float(r.temperature), "top_k": 0, "top_p": float(r.top_p),
+                    "use_greedy": False, "temperature": r.temperature, "top_k": 0, "top_p": r.top_p,
                     "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False, "compute_logprob": False,
                     # the EOS alias; the tokenizer's single-token chat end strings are added at start-up
                     "end_strings": [END_OF_SEQ],
                 },
-                "length_params": {"max_length": int(r.max_new_tokens), "min_length": 1},
+                "length_params": {"max_length": r.max_new_tokens, "min_length": 1},
                 "trt_llm": trt_llm,
             },
             "peft": {"peft_scheme": "none", "restore_from_path": None},
@@ -197,7 +196,7 @@ def prepare(cfg: Config, hf_model: str | None, run=subprocess.call) -> int:
     if not Path(hf_model).exists():
         print(f"prepare: --hf-model {hf_model} does not exist", file=sys.stderr)
         return 2
-    precision = "bf16" if cfg.model.precision == "bf16" else str(cfg.model.precision)
+    precision = "bf16" if cfg.model.precision == "bf16" else cfg.model.precision
 
     def convert(out: Path) -> int:
         cmd = conversion_command(hf_model, str(out), precision)
@@ -309,7 +308,7 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
                              if end_strings_override(nemo_overrides) else None)
     print(f"nemo_entry: end strings {ends} (single tokens of the model's tokenizer)", flush=True)
     init_peft(model, ncfg.model)
-    if float(cfg.grpo.kl_beta) > 0 and ncfg.model.peft.peft_scheme == "none":
+    if cfg.grpo.kl_beta > 0 and ncfg.model.peft.peft_scheme == "none":
         # the INITIAL policy, captured before a resumed checkpoint is restored below
         model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(
             model, megatron_amp_O2=ncfg.model.get("megatron_amp_O2", False))
@@ -321,7 +320,7 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
 
     lock = hold_output_dir(cfg.run.output_dir, torch.distributed.get_rank())  # rank 0 holds it; raises on all ranks
 
-    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    items = load_math_prompts(list(cfg.data.train_files), cfg.data.prompt_template)
     from megatron.core import parallel_state as mps
 
     dummy = torch.utils.data.DataLoader(dataset=items, batch_size=max(1, int(ncfg.model.global_batch_size)
@@ -333,8 +332,8 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
     pad_id = tok.pad_id if getattr(tok, "pad_id", None) is not None and tok.pad_id >= 0 else tok.eos_id
     from laconic_nemo.rollout.engine import engine_settings_from_config
 
-    actor = NemoAlignerActor(model, optimizer, scheduler, float(cfg.optim.grad_clip), pad_id, restored_from=resume,
-                             rollout_engine=str(cfg.rollout.engine),
+    actor = NemoAlignerActor(model, optimizer, scheduler, cfg.optim.grad_clip, pad_id, restored_from=resume,
+                             rollout_engine=cfg.rollout.engine,
                              engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
                                                                          on_gpu=torch.cuda.is_available()))
 

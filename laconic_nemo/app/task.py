@@ -77,7 +77,7 @@ def build_task(cfg: Config) -> Task:
     from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config, load_hf_tokenizer
 
     tok = load_hf_tokenizer(cfg.model.path)
-    items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
+    items = load_math_prompts(list(cfg.data.train_files), cfg.data.prompt_template)
     from laconic_nemo.data.datasets import check_prompt_lengths
 
     try:
@@ -87,7 +87,7 @@ def build_task(cfg: Config) -> Task:
     context = int(hf.get("max_position_embeddings", cfg.model.max_position_embeddings))
     try:  # the pre-flight checked this already (laconic_nemo.plan.preflight); under torchrun / srun too
         check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
-                             int(cfg.rollout.max_new_tokens))
+                             cfg.rollout.max_new_tokens)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     reward_fn, _grader = build_reward_fn(cfg.reward)

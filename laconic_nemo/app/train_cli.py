@@ -111,7 +111,7 @@ def run(args) -> int:
         par = cfg.parallel
         return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=par.watchdog_s,
                             step_factor=par.watchdog_step_factor, min_s=par.watchdog_min_s,
-                            output_dir=str(cfg.run.output_dir))
+                            output_dir=cfg.run.output_dir)
     from laconic_nemo.grpo.resume import ResumeError
 
     try:
@@ -398,7 +398,7 @@ def train(cfg: Config) -> int:
     torch.set_num_threads(cpu_threads())
     info = init_distributed(cfg.parallel.tensor_model_parallel_size,
                             cfg.parallel.pipeline_model_parallel_size,
-                            backend=str(cfg.parallel.backend), seed=cfg.run.seed,
+                            backend=cfg.parallel.backend, seed=cfg.run.seed,
                             timeout_s=cfg.parallel.collective_timeout_s)
     heartbeat("start-up")
     is_logger = info.rank == 0

@@ -143,7 +143,7 @@ def _check_synthetic(args) -> str | None:
         cfg, world_size = run_config(os.path.expanduser(args.model))
     except ExportError as exc:
         return f"--model {args.model!r}: {exc}"
-    if str(cfg.model.source) != "synthetic" or str(cfg.data.kind) != "synthetic":
+    if cfg.model.source != "synthetic" or cfg.data.kind != "synthetic":
         return (f"--model {args.model!r} is a model.source = {cfg.model.source} run; --benchmarks synthetic needs a "
                 "synthetic-task run (data.kind = synthetic)")
     longest_prompt = 2 + 2 * int(cfg.data.synthetic.max_terms) + 1
@@ -155,7 +155,7 @@ def _check_synthetic(args) -> str | None:
             budgets = parse_stated_budgets(args.stated_budgets)
         except ValueError as exc:
             return str(exc)
-        instruction = str(cfg.data.target_instruction)
+        instruction = cfg.data.target_instruction
         missing = synthetic_unencodable(instruction, template=True)
         if not states_a_target(instruction) or missing:
             return (f"--stated-budgets: the run's data.target_instruction {instruction!r} cannot state a budget to the "
@@ -163,11 +163,11 @@ def _check_synthetic(args) -> str | None:
                     + (f"; not encodable: {missing}" if missing else "") + ")")
         longest_prompt = len(stated_prompt("Q:" + "a0" * int(cfg.data.synthetic.max_terms) + "\n", instruction,
                                            max(budgets)))
-    limit = int(cfg.model.max_position_embeddings) - longest_prompt
+    limit = cfg.model.max_position_embeddings - longest_prompt
     if limit < 1:
         return (f"--stated-budgets: the longest stated prompt ({longest_prompt} tokens) leaves no room in the run's "
                 f"model.max_position_embeddings = {cfg.model.max_position_embeddings}")
-    if args.max_tokens is None and int(cfg.rollout.max_new_tokens) > limit:
+    if args.max_tokens is None and cfg.rollout.max_new_tokens > limit:
         return (f"--max-tokens: the run's rollout.max_new_tokens = {cfg.rollout.max_new_tokens} does not fit after the "
                 f"longest stated prompt; allowed 1..{limit}")
     if args.max_tokens is not None and args.max_tokens > limit:
@@ -356,7 +356,7 @@ def _main_synthetic(args) -> int:
     backend = MegatronBackend(cfg, batch_size=args.batch_size or 256)
     backend.load(policy, cfg)
     problems = benchmark_problems(cfg, args.synthetic_problems, seed=args.seed)
-    sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens or int(cfg.rollout.max_new_tokens))
+    sampling = EvalSampling(args.temperature, args.top_p, args.max_tokens or cfg.rollout.max_new_tokens)
     if args.stated_budgets is not None:
         return _stated(args, cfg, backend, sampling, name)
     evaluate(backend, [BENCHMARK], args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
@@ -378,9 +378,9 @@ def _stated(args, cfg, backend, sampling, name: str) -> int:
              grader=ExactAnswerGrader(), seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
              base_summary=args.base_summary, problems=problems, prompt_fn=lambda text: text)
     table = report_from_samples(args.output_dir, problems, budgets, args.limit, args.n_samples, name, {
-        "instruction": str(cfg.data.target_instruction), "n_samples": args.n_samples, "limit": args.limit,
+        "instruction": cfg.data.target_instruction, "n_samples": args.n_samples, "limit": args.limit,
         "synthetic_problems": args.synthetic_problems, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens, "seed": args.seed})
-    print(f"{name}: stated budgets (prompt + {str(cfg.data.target_instruction)!r})")
+    print(f"{name}: stated budgets (prompt + {cfg.data.target_instruction!r})")
     print(table, end="")
     return 0

@@ -106,7 +106,7 @@ def stated_problems(cfg, budgets: Iterable[int], num_problems: int, seed: int = 
     from laconic_nemo.eval.synthetic import benchmark_problems
 
     base = benchmark_problems(cfg, num_problems, seed=seed)
-    instruction = str(cfg.data.target_instruction)
+    instruction = cfg.data.target_instruction
     return {benchmark_name(b): [Problem(benchmark_name(b), p.index, stated_prompt(p.problem, instruction, b), p.answer)
                                 for p in base] for b in budgets}
 

@@ -40,7 +40,7 @@ def _task(cfg):
 
 def training_problems(cfg) -> list:
     """The RL prompts of run config ``cfg``: ``SyntheticTask.problems(data.num_prompts, seed=run.seed)``."""
-    return _task(cfg).problems(int(cfg.data.num_prompts), seed=int(cfg.run.seed))
+    return _task(cfg).problems(cfg.data.num_prompts, seed=cfg.run.seed)
 
 
 def heldout_problems(cfg, num_problems: int, seed: int = 0) -> list:

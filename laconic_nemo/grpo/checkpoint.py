@@ -293,7 +293,7 @@ class CheckpointManager:
             why = self.verify(ckpt, actor)
             if allreduce_sum([0.0 if why is None else 1.0]).item() == 0:
                 break
-            if str(cfg.checkpoint.resume) != "auto" or self.hook is not None:
+            if cfg.checkpoint.resume != "auto" or self.hook is not None:
                 # an explicit folder; or an actor that restored its own files of this step already (NeMo)
                 raise ValueError(f"checkpoint {ckpt} is damaged ({why or 'a file of another rank'}): move it aside "
                                  "to resume from the previous one")

@@ -312,8 +312,8 @@ def resume_source(cfg: Config, notes: list[str] | None = None) -> Path | None:
     ``notes`` receives a line for each damaged checkpoint skipped (:func:`choose_checkpoint`)."""
     from laconic_nemo.config import ConfigError
 
-    out = Path(str(cfg.run.output_dir))
-    mode = str(cfg.checkpoint.resume)
+    out = Path(cfg.run.output_dir)
+    mode = cfg.checkpoint.resume
     if mode == "never":
         used = [p for p in (out / "metrics.jsonl",) if p.is_file() and p.stat().st_size > 0]
         used += complete_checkpoints(out / "checkpoints")

@@ -218,7 +218,7 @@ class GRPOTrainer:
         self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
-        self.local_minibatch = cfg.grpo.minibatch_size // dp
+        self.local_minibatch = cfg.grpo.minibatch_per_rank(dp)
         # the multipliers (the only state of the shaping): lambda's controller or the shaper's constant lambda,
         # the budget classes, the tail constraint; `laconic-nemo plan` builds the same (laconic_nemo.plan.step_one)
         self.constraints = self._build_constraints(budgets)
@@ -323,11 +323,11 @@ class GRPOTrainer:
             else:
                 lo, hi = d.target_length_range
                 targets.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
-        instruction = str(d.target_instruction)
+        instruction = d.target_instruction
         if d.kind == "math":  # the user's words, inside the user turn of the chat template
             from laconic_nemo.data.datasets import state_in_user_turn
 
-            template = str(d.prompt_template)
+            template = d.prompt_template
             return [state_in_user_turn(template, t, state_target(instruction, n)) for t, n in zip(texts, targets)], targets
         return [t + state_target(instruction, n) for t, n in zip(texts, targets)], targets
 

@@ -100,9 +100,8 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
 
     check_layout(cfg, dp)
     g = cfg.grpo
-    prompts, G = int(g.num_prompts_per_step), int(g.group_size)
-    rollout = prompts * G
-    mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
+    prompts, G, rollout = g.num_prompts_per_step, g.group_size, g.rollout_batch
+    mini, mbs = g.minibatch_size, g.micro_batch_size
 
     m = cfg.model
     try:
@@ -111,12 +110,12 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         raise LayoutError(str(exc)) from None
     if m.shape_from and check_paths and hf is None:
         _fail("model.shape_from", m.shape_from, "a Hugging Face config.json (or its folder) that exists")
-    heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
-    layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
+    heads = int(hf["num_attention_heads"]) if hf else m.num_attention_heads
+    layers = int(hf["num_hidden_layers"]) if hf else m.num_layers
     kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else m.num_query_groups
-    hidden = int(hf.get("hidden_size", m.hidden_size)) if hf else int(m.hidden_size)
+    hidden = int(hf.get("hidden_size", m.hidden_size)) if hf else m.hidden_size
     head_dim = int(hf.get("head_dim") or hidden // heads) if hf else hidden // heads
-    max_pos = int(hf.get("max_position_embeddings", m.max_position_embeddings)) if hf else int(m.max_position_embeddings)
+    max_pos = int(hf.get("max_position_embeddings", m.max_position_embeddings)) if hf else m.max_position_embeddings
     if heads % tp:
         _fail("parallel.tensor_model_parallel_size", tp, f"a divisor of the attention heads ({heads})")
     if kv_heads is not None and kv_heads % tp:
@@ -130,7 +129,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
 
     warnings: list[str] = []
     actor = "nemo_aligner" if m.source == "nemo" else "megatron_core"
-    engine = str(cfg.rollout.engine)
+    engine = cfg.rollout.engine
     if m.source == "nemo" and engine == "vllm":
         _fail("rollout.engine", engine, "megatron (the decode engine) or nemo (NeMo-Aligner generation) when "
               "model.source = nemo")
@@ -145,7 +144,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
             from laconic_nemo.rollout.kv_cache import KVCacheTooLarge, check_fits
 
             try:
-                check_fits(kv, float(cfg.rollout.kv_cache_memory_fraction), int(gpu_memory_gib * 2**30),
+                check_fits(kv, cfg.rollout.kv_cache_memory_fraction, int(gpu_memory_gib * 2**30),
                            sized_by=f"rollout.kv_cache_rows ({kv.rows} rows: null = responses per DP rank) and "
                                     f"rollout.max_prompt_length + rollout.max_new_tokens ({kv.positions} positions)")
             except KVCacheTooLarge as exc:
@@ -224,8 +223,8 @@ def packed_kernel_line(cfg: Config) -> str:
 
     from laconic_nemo.runtime.kernels import describe_packed_attention
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(str(cfg.model.precision), torch.bfloat16)
-    return describe_packed_attention(str(cfg.model.attention), dtype)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.model.precision, torch.bfloat16)
+    return describe_packed_attention(cfg.model.attention, dtype)
 
 
 def decode_graph_bound(cfg: Config, rows: int, positions: int) -> tuple[str, int, int]:
@@ -235,7 +234,7 @@ def decode_graph_bound(cfg: Config, rows: int, positions: int) -> tuple[str, int
     from laconic_nemo.rollout.schedule import buckets_up_to, captures_in_all, captures_per_pass
 
     r = cfg.rollout
-    buckets, block = list(r.batch_buckets), int(r.kv_block)
+    buckets, block = list(r.batch_buckets), r.kv_block
     per_pass = captures_per_pass(rows, positions, buckets, block)
     in_all = captures_in_all(rows, positions, buckets, block)
     n_buckets, n_kv = len(buckets_up_to(rows, buckets)), -(-positions // block)
@@ -255,8 +254,8 @@ def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, h
 
     r = cfg.rollout
     rows = int(r.kv_cache_rows) if r.kv_cache_rows is not None else int(samples_per_rank)
-    positions = min(int(r.max_prompt_length) + int(r.max_new_tokens), int(max_positions))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.model.precision), torch.float32)
+    positions = min(r.max_prompt_length + r.max_new_tokens, int(max_positions))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.precision, torch.float32)
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
 
 
@@ -279,18 +278,18 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batche
         hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
         ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
         vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic" or bool(hf))
-    lmax = int(cfg.rollout.max_new_tokens)
+    lmax = cfg.rollout.max_new_tokens
     if g.micro_batch_tokens:
-        tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"
+        tokens, seq, what = max(g.micro_batch_tokens, lmax), lmax, f"packs of {g.micro_batch_tokens} tokens"
     else:
-        tokens, seq, what = int(g.micro_batch_size) * lmax, lmax, f"{int(g.micro_batch_size)} rows of L_max"
+        tokens, seq, what = g.micro_batch_size * lmax, lmax, f"{g.micro_batch_size} rows of L_max"
     tied = bool(hf.get("tie_word_embeddings", False))
     kernel = "local" if m.attention == "local" else "flash"
     mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
                             kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
-                            reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
+                            reference_on_device=g.kl_beta > 0 and g.reference_on in ("auto", "device"),
                             num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
-                            logprob_chunk=int(g.logprob_chunk_size), seq=seq,
+                            logprob_chunk=g.logprob_chunk_size, seq=seq,
                             fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
     return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
@@ -302,11 +301,11 @@ def _synthetic_context(cfg: Config, max_pos: int) -> None:
     term + 9, after up to max_filler 5-token filler phrases, + EOS)."""
     syn = cfg.data.synthetic
     prompt = 2 + 2 * int(syn.max_terms) + 1
-    lmax = int(cfg.rollout.max_new_tokens)
+    lmax = cfg.rollout.max_new_tokens
     if prompt + lmax > max_pos:
         _fail("rollout.max_new_tokens", lmax, f"at most model.max_position_embeddings - the longest prompt = "
               f"{max_pos} - {prompt} = {max_pos - prompt} (data.synthetic.max_terms = {syn.max_terms})")
-    if int(cfg.warmup.num_steps) > 0:
+    if cfg.warmup.num_steps > 0:
         longest = prompt + 5 * int(syn.max_terms) + 9 + 5 * int(syn.max_filler) + 1
         if longest > max_pos:
             _fail("data.synthetic.max_filler", int(syn.max_filler), f"the longest warm-up example ({longest} tokens "

@@ -95,10 +95,10 @@ def _check_prompts(cfg: Config, tok: Any, folder: str) -> None:
     from laconic_nemo.bridge.hf_folder import hf_config
     from laconic_nemo.data.datasets import check_prompt_lengths, load_math_prompts
 
-    items = load_math_prompts([str(f) for f in cfg.data.train_files], str(cfg.data.prompt_template))
+    items = load_math_prompts([str(f) for f in cfg.data.train_files], cfg.data.prompt_template)
     context = int((hf_config(folder) or {}).get("max_position_embeddings", cfg.model.max_position_embeddings))
     check_prompt_lengths(items, lambda t: len(tok.encode(t, add_special_tokens=False)), context,
-                         int(cfg.rollout.max_new_tokens))
+                         cfg.rollout.max_new_tokens)
 
 
 def check_host(cfg: Config, local_ranks: int) -> None:
@@ -107,7 +107,7 @@ def check_host(cfg: Config, local_ranks: int) -> None:
         raise ConfigError("model.source = 'nemo' is invalid for laconic-nemo train (the megatron-core actor): allowed "
                           "synthetic or hf; a .nemo checkpoint trains through launch/submit.sh "
                           "(python -m laconic_nemo.nemo_entry)")
-    backend = str(cfg.parallel.backend)
+    backend = cfg.parallel.backend
     if backend == "gloo" and cfg.rollout.engine != "vllm":
         return
     import torch
@@ -178,7 +178,7 @@ def output_names(cfg: Config) -> dict[str, str]:
 
 def check_output_names(cfg: Config) -> None:
     """No name the run writes in ``run.output_dir`` is taken by something of the other kind."""
-    out = Path(str(cfg.run.output_dir))
+    out = Path(cfg.run.output_dir)
     for name, kind in output_names(cfg).items():
         p = out / name
         if not p.exists() and not p.is_symlink():
@@ -192,7 +192,7 @@ def check_output_names(cfg: Config) -> None:
 def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -> Path | None:
     """Resume checks (see the module docstring). Returns the checkpoint to resume from, or None.
     ``notes`` receives a line per damaged checkpoint skipped."""
-    metrics = Path(str(cfg.run.output_dir)) / "metrics.jsonl"
+    metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
     try:
         ckpt = resume_source(cfg, notes)
         rows, _ = read_metrics(metrics)
@@ -208,7 +208,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
                 raise ConfigError(f"parallel.{key} = {getattr(cfg.parallel, key)} is invalid for resuming {ckpt}: allowed "
                                   f"{saved[key]}, the checkpoint's (its model shards are split for that layout; "
                                   "checkpoint.resume_allow_changes cannot change it)")
-        tp, pp = int(cfg.parallel.tensor_model_parallel_size), int(cfg.parallel.pipeline_model_parallel_size)
+        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
         if "dp_size" in state and int(state["dp_size"]) != world_size // (tp * pp):
             raise ConfigError(f"cannot resume from {ckpt}: it was written with DP {state['dp_size']} and this run has "
                               f"DP {world_size // (tp * pp)}; resume with the checkpoint's layout")

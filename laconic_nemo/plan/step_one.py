@@ -85,7 +85,7 @@ def build_step_one(cfg: Config, hf_model: str | None = None, tokenizer: Any = No
     out = StepOneBuild(
         shaper=lc.shaper, lambda_init=float(lam), dual=dual,
         advantages=advantages, loss=loss_kw, reward="", count_eos=lc.count_eos,
-        prompt_template=str(cfg.data.prompt_template),
+        prompt_template=cfg.data.prompt_template,
     )
     if cfg.reward.kind == "math":
         from laconic_nemo.rewards.format import build_reward_fn
@@ -170,7 +170,7 @@ def _preview(cfg: Config, out: StepOneBuild, tok_path: str | None, tok: Any = No
     (``tok``: the tokenizer of ``tok_path`` if already loaded)."""
     from laconic_nemo.data.datasets import chat_messages, check_row, read_rows, render
 
-    template = str(cfg.data.prompt_template)
+    template = cfg.data.prompt_template
     render(template, "")  # an unknown template name fails here, with or without data
     files = [str(f) for f in cfg.data.train_files]
     row = None

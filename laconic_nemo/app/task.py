@@ -31,6 +31,8 @@ class Task:
         (an HF or .nemo checkpoint states its own).
     warmup_example: Random -> (prompt ids, response ids with EOS) for the supervised warm-up, or None when
         the task has no worked solutions.
+    stop_ids: the ids that end a response besides EOS (the chat template's end-of-turn token:
+        :func:`laconic_nemo.plan.model_folder.end_token_ids`), handed to the rollout engine.
     """
 
     prompts: list[tuple[str, Any]]
@@ -41,6 +43,7 @@ class Task:
     pad_id: int
     vocab_size: int | None = None
     warmup_example: Callable[[random.Random], tuple[list[int], list[int]]] | None = None
+    stop_ids: tuple[int, ...] = ()
 
 
 def build_task(cfg: Config) -> Task:
@@ -74,7 +77,7 @@ def build_task(cfg: Config) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
-    from laconic_nemo.plan.model_folder import load_hf_tokenizer
+    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids, load_hf_tokenizer
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), str(cfg.data.prompt_template))
@@ -97,4 +100,5 @@ def build_task(cfg: Config) -> Task:
         return tok.decode(ids, skip_special_tokens=True)
 
     return Task(prompts=[(i.prompt, i.answer) for i in items], encode=encode, decode=decode, reward_fn=reward_fn,
-                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or tok.eos_token_id)
+                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or tok.eos_token_id,
+                stop_ids=tuple(end_token_ids(hf_text_to_ids(tok), tok.eos_token_id)))

@@ -145,6 +145,8 @@ class GRPOTrainer:
     prompts: the dataset, a list of (prompt text, reference answer).
     reward_fn: task reward, see :data:`RewardFn`.
     eos_id: the token that ends a response.
+    stop_ids: further ids that end a response (the chat template's end-of-turn token, ``Task.stop_ids``), handed to
+        the actor's rollout in :class:`~laconic_nemo.grpo.interfaces.SamplingParams`.
     checkpoint_hook: the actor's own checkpoint files (:class:`~laconic_nemo.grpo.checkpoint.CheckpointHook`).
     metric_sinks: ``f(resume_step) -> dashboards`` opened on rank 0 when training starts (default: the ones
         ``cfg.logging`` asks for, :func:`~laconic_nemo.grpo.metrics.build_sinks`; the NeMo-Aligner entry hands
@@ -163,10 +165,12 @@ class GRPOTrainer:
         checkpoint_hook: CheckpointHook | None = None,
         metric_sinks: Callable[[int], list[MetricSink]] | None = None,
         budgets: Sequence[float] | None = None,
+        stop_ids: Sequence[int] = (),
     ):
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
         self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
+        self.stop_ids = tuple(int(i) for i in stop_ids)  # ids that end a response besides EOS (SamplingParams)
         self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
@@ -262,6 +266,7 @@ class GRPOTrainer:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             eos_id=self.eos_id,
             seed=(self.cfg.run.seed * 1_000_003 + step) * 1_009 + self.actor.dp_rank,
+            stop_ids=self.stop_ids,
         )
         with timer("generate"):
             gen = self.actor.generate(prompt_ids, sampling)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laconic_nemo.rollout.megatron_sampler import counter_uniforms, draw, draw_on_device, filtered_probs
+from laconic_nemo.rollout.megatron_sampler import counter_uniforms, draw, draw_on_device, filtered_probs, stop_hit
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Sig:
     pad: int
     max_new: int
     logprobs: bool
+    stops: tuple[int, ...] = ()  # every id that ends a response (SamplingParams.stops); empty: eos alone
 
 
 class Slots:
@@ -120,7 +121,7 @@ class SlotsMixin:
             s.out_lp.index_put_((ids, pos), torch.where(active, s.sampled_lp[:b], torch.zeros_like(s.sampled_lp[:b])))
         gen = s.generated[:b] + active.long()
         s.generated[:b].copy_(gen)
-        new_eos = active & (nxt == sig.eos)
+        new_eos = active & stop_hit(nxt, sig.stops or (sig.eos,))
         s.hit_eos[:b] |= new_eos
         s.done[:b] |= new_eos | (active & (gen >= sig.max_new))
         s.pos[:b] += active.long()

@@ -339,8 +339,8 @@ def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1):
     with ``<|im_end|>``): the trainer hands the engine the ids of NeMo's end strings for it
     (``end_token_ids``: EOS and ``<|im_end|>``, both single tokens of the real Qwen vocabulary) and the engine stops
     on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max."""
-    from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
     from laconic_nemo.config import load_config
+    from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
     from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
 
     tok = _qwen_tokenizer("<|endoftext|>")

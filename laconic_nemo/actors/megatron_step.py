@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from laconic_nemo.actors import memory
 from laconic_nemo.grpo.interfaces import LossFn, TrainBatch
+from laconic_nemo.runtime.faults import fault_point
 
 
 class TrainStepMixin:
@@ -167,6 +168,7 @@ class TrainStepMixin:
                 return out, loss_func
 
             store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
+        fault_point("train_step", self.step_count + 1)
         lr = self._lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

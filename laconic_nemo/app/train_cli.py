@@ -135,7 +135,14 @@ _TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWr
 
 
 def _cause(tail: list[str], output_dir: str | None) -> str:
-    """Why a rank failed, from its last lines: "No space left on device" when that is the cause, else ""."""
+    """Why a rank failed, from its last lines: its out-of-memory line (the memory model's prediction and the keys to
+    change, :class:`laconic_nemo.grpo.trainer.TrainingOutOfMemory`), "No space left on device" when that is the
+    cause, else ""."""
+    from laconic_nemo.grpo.trainer import OOM_MARKER
+
+    oom = [line.strip() for line in tail if OOM_MARKER in line]
+    if oom:
+        return oom[-1]
     text = "\n".join(tail)
     if any(n in text for n in _NO_SPACE) or any(n in text for n in _TORCH_WRITE_FAILED):
         free = ""
@@ -236,8 +243,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     * Watchdog: when no rank has made progress for the bound of :func:`_watchdog_bound` (``watchdog_s``, or
       inside a step ``max(min_s, step_factor x the longest step)``), it names the stalled rank (a stopped
       process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
-    * Its last line names the first rank that failed (in the order the ranks ended), how (signal or exit
-      status) and why: "No space left on device" when that is the cause, else the rank's last line.
+    * Its last line names the first rank that failed (in the order the ranks ended; a rank that ran out of
+      memory before any other, the others then lose their peer), how (signal or exit status) and why: its
+      out-of-memory line, "No space left on device" when that is the cause, else the rank's last line.
 
     Returns 0 when all ranks finished, 3 when they stopped on a signal, 4 on a hang, else the failed
     rank's exit status (1 when it died on a signal)."""
@@ -344,11 +352,21 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
         if r not in reported:
             say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
     if bad:
+        # a rank that ran out of memory is the cause of the others' failures (they lose their peer in a collective)
+        from laconic_nemo.grpo.trainer import OOM_MARKER
+
+        oom = [r for r in bad if OOM_MARKER in _cause(list(outputs[r].tail), output_dir)]
+        if oom:
+            bad = oom + [r for r in bad if r not in oom]
         first = procs[bad[0]]
         cause = _cause(list(outputs[bad[0]].tail), output_dir)
         last = outputs[bad[0]].last_line()
+        if cause and last and last.strip() == cause:  # the out-of-memory line, already said in full
+            said = ""
+        else:
+            said = f"; its last line: {last[-300:]!r}" if last else "; it printed nothing"
         say(f"failed: rank {bad[0]} (pid {first.pid}) {_how(first.returncode)}, the first rank to fail"
-            + (f": {cause}" if cause else "") + (f"; its last line: {last[-300:]!r}" if last else "; it printed nothing"))
+            + (f": {cause}" if cause else "") + said)
         return first.returncode if first.returncode > 0 else 1
     codes = [p.returncode for p in procs]
     if 3 in codes:

@@ -174,6 +174,12 @@ class PolicyActor(Protocol):
         """Restore what :meth:`state_dict_for_checkpoint` returned (same layout)."""
         ...
 
+    def memory_prediction(self) -> str | None:
+        """The memory model's prediction (:mod:`laconic_nemo.actors.memory`) for the last :meth:`train_step`'s
+        micro-batches, in words, for the line of a step that ran out of memory; None when there is none (the trainer
+        reads it with ``getattr``: stand-ins may omit it)."""
+        ...
+
 
 def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[N, seq_len - 1] float mask, 1 where position t scores a response token (token t + 1).

@@ -128,12 +128,38 @@ class Timer:
     @contextmanager
     def __call__(self, phase: str):
         heartbeat(phase, self.step, step_s=self.step_s)
-        fault_point(phase, self.step)
-        t0 = time.perf_counter()
         try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            fault_point(phase, self.step)
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+        except torch.OutOfMemoryError as exc:  # the phase it happened in, for the closing line
+            if not hasattr(exc, "laconic_phase"):
+                exc.laconic_phase = phase
+            raise
+
+
+# Exit status of a run that ran out of device memory in a step: fatal (launch/submit.sh requeues status 3 only): a
+# resumed run would run out again. Its last line starts with OOM_MARKER.
+OOM_EXIT = 5
+OOM_MARKER = "laconic-nemo: out of memory"
+# what to change, by the phase that ran out of memory
+OOM_KEYS = {
+    "generate": "rollout.kv_cache_rows, rollout.prefill_tokens, rollout.max_prompt_length + rollout.max_new_tokens, "
+                "rollout.kv_cache_memory_fraction",
+    "logprobs": "grpo.micro_batch_size (log-prob micro-batches of padded rows) or grpo.micro_batch_tokens (packs), "
+                "grpo.logprob_chunk_size",
+    "policy_update": "grpo.micro_batch_size (NeMo-Aligner actor; megatron-core actor without packing) or "
+                     "grpo.micro_batch_tokens (packs), grpo.recompute_layers (null: by memory; the stage's layers: "
+                     "all), grpo.logprob_chunk_size, rollout.engine_memory = release",
+}
+
+
+class TrainingOutOfMemory(RuntimeError):
+    """``torch.OutOfMemoryError`` in a step; the message names the phase, the memory model's prediction and the keys
+    to change (:func:`laconic_nemo.app.run.run` prints it as the last line and exits with :data:`OOM_EXIT`)."""
 
 
 class GRPOTrainer:
@@ -528,7 +554,10 @@ class GRPOTrainer:
         every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
-            m = self.train_step(self.step)
+            try:
+                m = self.train_step(self.step)
+            except torch.OutOfMemoryError as exc:
+                raise TrainingOutOfMemory(self._out_of_memory(exc)) from exc
             self.step += 1
             self.longest_step_s = max(self.longest_step_s or 0.0, float(m["step_seconds"]))
             # a signal during the last step changes nothing: the run is over once its checkpoint is written
@@ -557,6 +586,25 @@ class GRPOTrainer:
             print(f"signal {self._stop_signal} arrived during the last step: the run is finished, nothing to resume",
                   file=sys.stderr, flush=True)
         return "finished"
+
+
+    def _out_of_memory(self, exc: BaseException) -> str:
+        """The closing line of a step that ran out of device memory (see :class:`TrainingOutOfMemory`)."""
+        phase = getattr(exc, "laconic_phase", "step")
+        prediction = None
+        predict = getattr(self.actor, "memory_prediction", None)
+        if predict is not None and phase == "policy_update":
+            try:  # arithmetic on the last micro-batches' shape; never hide the OOM behind a second error
+                prediction = predict()
+            except Exception as err:  # noqa: BLE001
+                prediction = f"(no prediction: {type(err).__name__}: {err})"
+        what = str(exc).strip().split("\n")[0].split(". ")[0][:160]
+        said = (f"the memory model predicted {prediction}" if prediction else
+                "no prediction of the memory model for this phase (laconic-nemo plan shows the training step's)")
+        keys = OOM_KEYS.get(phase, OOM_KEYS["policy_update"])
+        return (f"{OOM_MARKER} in the {phase.replace('_', ' ')} of step {self.step + 1} on rank {self.rank} "
+                f"({what}): {said}; change {keys}. Not requeued (status {OOM_EXIT}): a resumed run would run out "
+                "of memory again")
 
 
 def summarize(history: list[dict]) -> dict[str, float]:

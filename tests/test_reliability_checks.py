@@ -420,6 +420,7 @@ CHECKED_ELSEWHERE = [
     ("laconic.reasoning_marker", "''", "laconic.reasoning_marker = '' is invalid"),
     ("laconic.per_prompt_budget", "true", "laconic.per_prompt_budget = True is invalid"),
     ("laconic.budget_classes", "[10,20]", "laconic.budget_classes = [10.0, 20.0] is invalid"),
+    ("model.shape_from", "/nonexistent/config.json", "model.shape_from = '/nonexistent/config.json' does not fit"),
 ]
 # keys any value of whose type is valid
 FREE = {"run.name", "data.target_instruction", "data.shuffle", "grpo.leave_one_out", "grpo.sort_by_length",

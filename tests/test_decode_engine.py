@@ -348,11 +348,14 @@ def _chain_model(vocab: int, chain: dict[int, int]):
     return model
 
 
-def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1):
+@pytest.mark.parametrize("sampler", ["exact", "device"])
+def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1, sampler):
     """A tokenizer whose EOS is not the chat template's end of turn (Qwen2.5-Math: EOS ``<|endoftext|>``, turns end
     with ``<|im_end|>``): the trainer hands the engine the ids of NeMo's end strings for it
     (``end_token_ids``: EOS and ``<|im_end|>``, both single tokens of the real Qwen vocabulary) and the engine stops
-    on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max."""
+    on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max. Both
+    samplers run the fused step: ``exact`` its eager stage, ``device`` the whole step the GPU captures, with the
+    same stop function (``slots.stop_hit``)."""
     from laconic_nemo.config import load_config
     from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
     from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
@@ -366,7 +369,8 @@ def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1):
     (a,), (b,), (c,) = tok.encode(prompt)[-1:], tok.encode(" yes"), tok.encode("\n")
     V = len(tok)
     model = _chain_model(V, {a: b, b: im_end, im_end: c, c: c})  # "... is" -> " yes" -> <|im_end|> -> "\n" forever
-    engine = DecodeEngine(model, V, settings("exact", batch_buckets=(2, 4)))
+    engine = DecodeEngine(model, V, settings(sampler, batch_buckets=(2, 4)))
+    assert engine.fused
 
     class Actor:
         dp_rank, dp_size, dp_group = 0, 1, None
@@ -569,3 +573,16 @@ def test_write_kv_is_write_in_one_call():
     one.write_kv(1, rows, pos, r[:, :, 2:].permute(2, 0, 1, 3))
     two.write(1, rows, pos, r[:, :, 2], r[:, :, 3])
     assert torch.equal(one.data, two.data) and one.data[1].abs().sum() > 0 and one.data[0].abs().sum() == 0
+
+
+def test_stop_hit_is_membership_in_the_stop_ids():
+    """The engine's one stop function (``slots.stop_hit``: eager, captured and fused steps) flags a token that is
+    any of ``Sig.stops``, and the EOS alone when no stop ids are given (hand-worked)."""
+    from laconic_nemo.rollout.slots import Sig, stop_hit
+
+    tokens = torch.tensor([3, 7, 5, 9, 3])
+    both = Sig("device", 1.0, 1.0, 3, 0, 8, False, stops=(3, 5))
+    assert stop_hit(tokens, both).tolist() == [True, False, True, False, True]
+    eos_only = Sig("device", 1.0, 1.0, 3, 0, 8, False)
+    assert stop_hit(tokens, eos_only).tolist() == [True, False, False, False, True]
+    assert stop_hit(tokens, Sig("device", 1.0, 1.0, 3, 0, 8, False, stops=(9,))).tolist() == [False] * 3 + [True, False]

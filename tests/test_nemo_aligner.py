@@ -703,7 +703,7 @@ def test_export_nemo_run_to_hf_matches_nemo_logits(gloo_world, cpu_cuda_shims, m
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
-    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": {"model": {
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "shaper": {"shaper": "grpo"}, "config": {"model": {
         "source": "nemo", "path": "/checkpoints/base.nemo"}, "parallel": {"tensor_model_parallel_size": 1}}}))
     (run / "checkpoints" / "latest").write_text(step.name)
     sharded = model.sharded_state_dict()

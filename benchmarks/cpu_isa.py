@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/cpu_isa.py                 # every setting once, then the timing rounds (~15 min)
     PYTHONPATH=. python benchmarks/cpu_isa.py --rounds 0      # the bits only
-    PYTHONPATH=. python benchmarks/cpu_isa.py --settings native,pin --rounds 3
+    PYTHONPATH=. python benchmarks/cpu_isa.py --settings "" --rounds 3   # the timing only
     PYTHONPATH=. python benchmarks/cpu_isa.py --ops           # which kernels each variable changes (seconds)
 
 Each run is the main job made short: ``laconic-nemo train recipes/tiny_cpu.yaml warmup.num_steps=100
@@ -15,8 +15,9 @@ policy's tensors and of the metrics rows without their timings; settings with th
 
 The timing rounds alternate the machine's own choices and the pin (``--rounds`` pairs, in one window, so that the
 load of a shared machine falls on both alike) and print the warm-up's seconds per step, the GRPO step's seconds
-(mean of steps 2-3: step 1 includes the start of the reward workers) and the ratio of the pin to the native
-setting.
+(mean of steps 2-3: step 1 includes the start of the reward workers), the whole run's wall-clock and CPU seconds
+(user + system of the launcher, its ranks and their workers: less sensitive than the wall clock to what else
+the machine runs) and the ratio of the pin to the native setting.
 
 ``--ops`` runs the model's kernels alone (one process per setting, float32, one thread): a matmul, a batched
 matmul, softmax and log-softmax, layer norm, GELU, exp and the scaled-dot-product attention on fixed random
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,9 +71,10 @@ def run(name: str, env_extra: dict, out: Path) -> dict:
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **env_extra)
     cmd = [sys.executable, "-m", "laconic_nemo", "train", "recipes/tiny_cpu.yaml", *SHORT, f"run.output_dir={d}",
            f"warmup.cache_dir={d / 'cache'}"]
-    t0 = time.perf_counter()
+    t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # the launcher, its ranks and workers
     if proc.returncode != 0:
         raise SystemExit(f"[cpu-isa] {name} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -83,7 +86,7 @@ def run(name: str, env_extra: dict, out: Path) -> dict:
             if isinstance(v, torch.Tensor):
                 h.update(k.encode() + v.contiguous().numpy().tobytes())
     nll = re.findall(r"warmup\s+100/100 \| nll/token ([0-9.]+) \| ([0-9.]+)s", proc.stdout)
-    return {"name": name, "wall": wall, "warmup_nll": float(nll[-1][0]), "warmup_s": float(nll[-1][1]),
+    return {"name": name, "wall": wall, "cpu_s": cpu_s, "warmup_nll": float(nll[-1][0]), "warmup_s": float(nll[-1][1]),
             "first_length": rows[0]["mean_response_length"], "lambda_3": rows[-1]["lambda_next"],
             "policy": h.hexdigest()[:12], "metrics": hashlib.sha256(json.dumps(bare, sort_keys=True).encode())
             .hexdigest()[:12], "step_s": [r["step_seconds"] for r in rows],
@@ -110,7 +113,8 @@ def timing_table(pairs: list[tuple[dict, dict]]) -> str:
     native, pin = [a for a, _ in pairs], [b for _, b in pairs]
     rows = [("warm-up, seconds per step", lambda r: r["warmup_s"] / 100),
             ("GRPO step, seconds (steps 2-3)", lambda r: sum(r["step_s"][1:]) / len(r["step_s"][1:])),
-            ("whole short run, seconds", lambda r: r["wall"])]
+            ("whole short run, seconds", lambda r: r["wall"]),
+            ("whole short run, CPU seconds (all its processes)", lambda r: r["cpu_s"])]
     lines = [f"| {len(pairs)} alternating pairs | native | pin | pin / native |", "| --- | --- | --- | --- |"]
     for label, f in rows:
         a, b = per(native, f), per(pin, f)
@@ -187,7 +191,8 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps({"cpu": cpu, "bits": results}, indent=1))
         say(f"  -> warm-up NLL {results[-1]['warmup_nll']}, first length {results[-1]['first_length']}, "
             f"digests {results[-1]['policy']} {results[-1]['metrics']}, {results[-1]['wall']:.0f} s")
-    print(bits_table(results))
+    if results:
+        print(bits_table(results))
     pairs = []
     for i in range(args.rounds):
         say(f"timing round {i + 1}/{args.rounds} (load average {os.getloadavg()[0]:.1f})")

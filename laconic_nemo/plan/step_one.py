@@ -6,6 +6,7 @@ after the cluster has allocated its GPUs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,14 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
         if budgets is None:
             source = f"data.budget_key {d.budget_key!r}"
             files = [str(f) for f in d.train_files]
-            if files and all(Path(f).is_file() for f in files):
+            if d.kind == "synthetic":  # the synthetic rows carry B_i (data.synthetic.budgets_by_terms)
+                from laconic_nemo.data.datasets import row_budgets
+                from laconic_nemo.data.synthetic import SyntheticTask
+
+                rows = SyntheticTask(**dataclasses.asdict(d.synthetic)).rows(d.num_prompts, cfg.run.seed,
+                                                                              str(d.budget_key))
+                budgets = row_budgets(rows, str(d.budget_key), d.budget_missing, lc.budget, lmax)
+            elif files and all(Path(f).is_file() for f in files):
                 from laconic_nemo.data.datasets import prompt_budgets
 
                 budgets = prompt_budgets(files, str(d.budget_key), d.budget_missing, lc.budget, lmax)

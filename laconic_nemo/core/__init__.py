@@ -9,9 +9,11 @@ from laconic_nemo.core.advantages import ADVANTAGE_STD, as_groups, group_advanta
 from laconic_nemo.core.constraints import (
     BudgetClasses,
     TailConstraint,
+    class_report,
     local_counts,
     per_prompt_cost64,
     reasoning_lengths,
+    report_counts,
 )
 from laconic_nemo.core.costs import (
     clipped_cost,
@@ -31,6 +33,7 @@ from laconic_nemo.core.dual import (
     shaper_state,
 )
 from laconic_nemo.core.shapers import (
+    CORRECT,
     SHAPERS,
     Shaper,
     constant_lambda,
@@ -41,7 +44,7 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "BudgetClasses", "TailConstraint", "local_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "TailConstraint", "class_report", "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
     "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
     "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
     "shaper_state", "shaping_metrics",

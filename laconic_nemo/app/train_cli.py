@@ -89,6 +89,7 @@ def run(args) -> int:
             nprocs = world = args.nprocs or model_parallel
             if nprocs % model_parallel:
                 raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
+        _pin_cpu_isa(cfg)  # before torch's first kernel here, and in the environment the local ranks inherit
         if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
             preflight_train(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except (ConfigError, FileNotFoundError) as exc:
@@ -116,6 +117,20 @@ def run(args) -> int:
     except ConfigError as exc:  # a check only a rank can make (e.g. a prompt longer than the context): one line
         print(f"laconic-nemo train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def _pin_cpu_isa(cfg: Config) -> None:
+    """Pin a CPU run's kernels to one instruction set (``LACONIC_CPU_ISA``, :mod:`laconic_nemo.runtime.cpu_isa`)
+    in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun or a lone process
+    sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
+    import torch
+
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+
+    try:
+        pin_cpu_isa(cpu=str(cfg.parallel.backend) == "gloo" or not torch.cuda.is_available())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _how(code: int) -> str:

@@ -40,7 +40,7 @@ def test_the_main_jobs_warmup_data_are_unchanged():
     (and so its policy and metrics) is unchanged."""
     assert warmup_stream_digest(load_config(TINY)) == MAIN_WARMUP_STREAM
     # the option's other keys do nothing while no prompt states a budget
-    off = load_config(TINY, ["data.synthetic.budget_follow=1.0", "data.synthetic.stated_range=[20,30]"])
+    off = load_config(TINY, ["data.synthetic.budget_follow=0.3", "data.synthetic.stated_range=[20,30]"])
     assert warmup_stream_digest(off, steps=2) == warmup_stream_digest(load_config(TINY), steps=2)
 
 
@@ -131,7 +131,7 @@ def test_warmup_cache_key_names_the_stated_budget_settings(tmp_path):
     assert not {"stated_share", "stated_range", "budget_follow", "budgets_by_terms", "instruction"} & set(plain)
     on = [*base, "data.synthetic.stated_share=0.5", "data.target_instruction=m{target}."]
     key = warmup_cache_key(load_config(TINY, on), 2, 1)["synthetic"]
-    assert (key["stated_share"], key["budget_follow"], key["instruction"]) == (0.5, 0.5, "m{target}.")
+    assert (key["stated_share"], key["budget_follow"], key["instruction"]) == (0.5, 1.0, "m{target}.")
     other = warmup_cache_dir(load_config(TINY, [*on[:-1], "data.target_instruction=max{target}\n"]), 2, 1)
     assert other != warmup_cache_dir(load_config(TINY, on), 2, 1)
     # the RL prompts' budgets (stated or from the data) do not change the warm-up

@@ -50,11 +50,12 @@ budget B, drawn uniformly from ``stated_range``, with the instruction the RL pro
 (``data.target_instruction``, e.g. ``Q:a3b5c2d7\nm24\n``). Of those, a share ``budget_follow`` is answered to
 fit B (:meth:`SyntheticTask.fitted_solution`): the answer whose length is nearest B among the abbreviated one and
 the compact and worked ones with 0..max_filler filler phrases (a tie goes to the more reliable style), so the
-length lands within 2 tokens of B wherever B is within the styles' reach; the rest are drawn as without a budget (a model that follows a stated budget in about half the cases, as
-a reasoning model does before length training). ``budget_follow`` is the knob of how strongly the warm-up's
-length follows B: over the fitted styles' reach the mean length of a stated example rises by about
-``budget_follow`` tokens per token of B (:meth:`SyntheticTask.length_slope` measures it). With ``stated_share``
-0 no draw is added: the warm-up's examples (and the random draws that make them) are exactly those above.
+length lands within 2 tokens of B wherever B is within the styles' reach; the rest are drawn as without a budget.
+``budget_follow`` is the knob of how strongly the warm-up's length follows B: over the styles' reach the mean
+length of a stated example rises by about ``budget_follow`` tokens per token of B (0.47 at 0.5, 0.93 at 1 over
+B = 16..56 with ``max_filler`` 6; :meth:`SyntheticTask.length_slope` measures it). A policy warmed up on it follows
+less well than its data (a tiny model reads the budget imperfectly). With ``stated_share`` 0 no draw is added: the
+warm-up's examples (and the random draws that make them) are exactly those above.
 
 **Per-prompt budgets from the data** (``budgets_by_terms``): a problem's budget B_i is a function of what its
 prompt shows, the number of terms k: entry ``k - min_terms`` of the list. :meth:`SyntheticTask.rows` writes it
@@ -186,7 +187,7 @@ class SyntheticTask:
     reasoning_marker: str | None = None
     stated_share: float = 0.0
     stated_range: Sequence[int] = (16, 56)
-    budget_follow: float = 0.5
+    budget_follow: float = 1.0
     budgets_by_terms: Sequence[int] | None = None
 
     def __post_init__(self):

@@ -218,17 +218,24 @@ def block(runs, evals, per_prompt, trained, made: dict, args, steps: int) -> str
               f"{','.join(map(str, EVAL_BUDGETS))}`; trained: a budget of the runs, between: between two of them, "
               "outside: beyond them):", ""]
     lines += eval_table(evals, trained)
-    train_pp, held_pp, warm_pp = per_prompt
-    lines += ["", f"Per-prompt budgets from the data (`{Path(PER_PROMPT[1]).name}`, {steps} steps, nothing stated; "
-              "held-out: `laconic-nemo eval --benchmarks synthetic`, each sample's B_i from its problem):", ""]
-    lines += per_prompt_table(train_pp, held_pp, warm_pp)
+    if per_prompt is None:
+        lines += ["", f"Per-prompt budgets from the data (`{Path(PER_PROMPT[1]).name}`): not measured in this block "
+                  "(`PYTHONPATH=. python benchmarks/stated_budgets.py --write` trains and evaluates it)."]
+    else:
+        train_pp, held_pp, warm_pp = per_prompt
+        lines += ["", f"Per-prompt budgets from the data (`{Path(PER_PROMPT[1]).name}`, {steps} steps, nothing "
+                  "stated; held-out: `laconic-nemo eval --benchmarks synthetic`, each sample's B_i from its problem):",
+                  ""]
+        lines += per_prompt_table(train_pp, held_pp, warm_pp)
     first = json.loads((args.results / "eval_tiny_cpu_stated" / "stated.json").read_text())
+    skip = " --skip-per-prompt" if per_prompt is None else ""
     rows0 = next(iter(held_evals.values()))
     held_n = rows0[0]["n"] // args.n_samples  # fewer than asked when k = 2 has too few unseen problems
     lines += ["", f"Held-out: {args.n_samples} samples of each of {held_n} problems ({args.problems} asked for; the "
               f"same for every budget and policy; none of them an RL prompt), temperature {first['temperature']}, "
               f"top-p {first['top_p']}, at most {first['max_tokens']} tokens. Measured {made['date']} by `PYTHONPATH=. "
-              f"python benchmarks/stated_budgets.py --write` (seed {tiny_runs.SEED}; {tiny_runs.made_with(made)}).",
+              f"python benchmarks/stated_budgets.py --write{skip}` (seed {tiny_runs.SEED}; "
+              f"{tiny_runs.made_with(made)}).",
               "", END]
     return "\n".join(lines)
 
@@ -276,6 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", type=int, default=128, help="held-out problems per stated budget")
     ap.add_argument("--n-samples", type=int, default=4, help="samples per problem and budget")
     ap.add_argument("--fresh", action="store_true", help="remove RESULTS first")
+    ap.add_argument("--skip-per-prompt", action="store_true",
+                    help="leave the per-prompt run out (neither trained nor evaluated): the block says it is not "
+                         "measured and names the command that measures it")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="write the block into README.md and the plot PNGs")
     mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs")
@@ -286,7 +296,7 @@ def main(argv=None) -> int:
     pin_cpu_isa()  # as the ranks' launcher pins them (CPU runs): the manifest and the block name it
     args.results = results = Path(args.results).resolve()
     made = tiny_runs.open_results(results, args.fresh)
-    todo = [*RUNS, PER_PROMPT]
+    todo = [*RUNS] if args.skip_per_prompt else [*RUNS, PER_PROMPT]
     for k, (name, recipe, over, _label) in enumerate(todo, 1):
         tiny_runs.train(name, recipe, over, results, k, len(todo))
     trained = sorted(load_config(str(ROOT / RUNS[0][1]), RUNS[0][2]).data.stated_budgets())
@@ -299,10 +309,11 @@ def main(argv=None) -> int:
     metrics = [(label, tiny_runs.rows_of(results / name)) for name, _r, _o, label in RUNS]
     runs = [(label, training_summary(rows), len(rows)) for label, rows in metrics]
     pp = results / PER_PROMPT[0]
-    per_prompt = (training_summary(tiny_runs.rows_of(pp)),
-                  per_class_eval(pp, evaluate(pp, results / f"eval_{PER_PROMPT[0]}", args, None), args),
-                  per_class_eval(pp, evaluate(pp, results / "eval_per_prompt_warmup", args, None, warmed_up=True,
-                                              cache=cache), args))
+    per_prompt = None if args.skip_per_prompt else (
+        training_summary(tiny_runs.rows_of(pp)),
+        per_class_eval(pp, evaluate(pp, results / f"eval_{PER_PROMPT[0]}", args, None), args),
+        per_class_eval(pp, evaluate(pp, results / "eval_per_prompt_warmup", args, None, warmed_up=True, cache=cache),
+                       args))
     text = block(runs, evals, per_prompt, trained, made, args, steps)
     print(text)
     from laconic_nemo.eval.stated import plot

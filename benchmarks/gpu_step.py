@@ -1,7 +1,7 @@
 """One-GPU benchmark of the megatron-core actor: rollout and training throughput at the paper's shapes.
 
     python benchmarks/gpu_step.py --device cuda                 # Qwen2.5-1.5B shapes, bf16 (about 10 minutes)
-    python benchmarks/gpu_step.py --device cuda --profile       # + a torch.profiler summary of the decode step
+    python benchmarks/gpu_step.py --device cuda --profile       # + kernels per decode step beside a plain step
     python benchmarks/gpu_step.py --device cuda --shape small   # a 0.1B model with the same layout
     python benchmarks/gpu_step.py --device cpu                  # tiny shapes, fp32: keeps the script alive in CI
 
@@ -38,8 +38,14 @@ megatron-core GPTModel (the actor) and once as the Hugging Face model with the s
    ``laconic_nemo.actors.memory`` predicts, the recompute setting it picks for the device, and its predicted
    peak for the setting used (on CPU: for an H100 80 GB).
 
-``--profile``: ``torch.profiler`` over the engine's decode steps at the first engine row: GPU kernels and graph
-launches per token and the GPU busy share (CUDA), or operators per decode step (CPU).
+``--profile``: at each engine row count, the kernels per decode step (CUDA: ``torch.profiler``, prefill excluded;
+CPU: operators counted at the dispatcher, ``laconic_nemo/rollout/opcount.py``) of the engine's fused step, of the
+engine through the model's modules (``EngineSettings.fused = False``) and of the plain graphed decode step of
+``benchmarks/plain_decode.py`` at the same shape, rows and mean KV length, measured in the same process; then a
+ratio row (kernels, and speed: the plain step's ms per step over the engine's). The engine rows print the first
+rollout's graph captures and their seconds. The ``deepseek`` section also prints the window schedule of the
+paper's 48-row draw for three bucket lists (``schedule`` rows: graphs, compactions, KV positions read) and, on its
+rollout, what reading each row's own KV length (``varlen_attn``'s ``seqused_k``) would save.
 Out-of-memory in one configuration is reported in its row and the script goes on.
 """
 
@@ -190,17 +196,17 @@ def time_rollout(actor, prompts, new_tokens, sampler: str, eos_id: int, device) 
 
 
 def engine_settings(cpu: bool, prompt_len: int, new_tokens: int, **kw):
-    from laconic_nemo.rollout.engine import EngineSettings
+    from laconic_nemo.rollout.engine import DEFAULT_BUCKETS, EngineSettings
 
     base = dict(sampler="device", sync_every=8, compact=True, cuda_graphs=True, kv_cache_rows=None,
                 max_prompt_length=prompt_len, max_new_tokens=new_tokens, kv_block=16 if cpu else 256,
-                batch_buckets=(2, 4, 8, 16, 32, 64) if cpu else (8, 16, 32, 64, 128, 256, 512))
+                batch_buckets=(2, 4, 8, 16, 32, 64) if cpu else DEFAULT_BUCKETS)
     return EngineSettings(**{**base, **kw})
 
 
 def time_engine(engine, prompts, new_tokens: int, eos_id: int, device, logprobs: bool = False, seed: int = 1):
     """One engine rollout after a warm-up rollout of the same shape (the warm-up captures the CUDA graphs):
-    (seconds, the output, seconds of the warm-up)."""
+    (seconds, the output, seconds of the warm-up, the warm-up's EngineStats: its captures and their seconds)."""
     from laconic_nemo.grpo.interfaces import SamplingParams
 
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=seed)
@@ -208,11 +214,11 @@ def time_engine(engine, prompts, new_tokens: int, eos_id: int, device, logprobs:
     t = time.perf_counter()
     engine.generate(prompts, sp, return_logprobs=logprobs)
     sync(device)
-    warm = time.perf_counter() - t
+    warm, warm_stats = time.perf_counter() - t, engine.stats
     t = time.perf_counter()
     out = engine.generate(prompts, sp, return_logprobs=logprobs)
     sync(device)
-    return time.perf_counter() - t, out, warm
+    return time.perf_counter() - t, out, warm, warm_stats
 
 
 def copy_bandwidth_tbs(device) -> float:
@@ -247,34 +253,93 @@ def hazard_for_mean(mean: float, cap: int) -> float:
     return (lo + hi) / 2
 
 
-def profile_engine(engine, prompts, new_tokens: int, eos_id: int, device) -> str:
-    """torch.profiler over one engine rollout (graphs already captured): per decode step / token counts."""
-    from torch.profiler import ProfilerActivity, profile
-
+def decode_kernels(engine, prompts, new_tokens: int, eos_id: int, device) -> tuple[float, str]:
+    """Kernels (CUDA: torch.profiler) or operators (CPU: counted at the dispatcher, ``opcount``) per decode step of
+    the engine, and a note. CUDA: a rollout of ``new_tokens`` minus one of a single token (its prefill) over their
+    difference in decode steps, graphs captured beforehand; the host launches per step beside."""
     from laconic_nemo.grpo.interfaces import SamplingParams
 
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=eos_id, seed=1)
-    engine.generate(prompts, sp)  # warm-up: captures
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        out = engine.generate(prompts, sp)
+    def sp(n):
+        return SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n, eos_id=eos_id, seed=1)
+
+    if device.type != "cuda":
+        engine.count_ops = True
+        engine.generate(prompts, sp(new_tokens))
+        engine.count_ops = False
+        ops = engine.stats.step_ops
+        return sum(c.kernels for c in ops) / max(1, len(ops)), f"{sum(c.total for c in ops) / max(1, len(ops)):.0f} " \
+            "with views"
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(prompts, sp(new_tokens))  # warm-up: captures
+    counts = []
+    for n in (1, new_tokens):
         sync(device)
-    wall = time.perf_counter() - t
-    steps = max(1, engine.stats.decode_steps)
-    tokens = int(out.response_lengths.sum())
-    events = prof.events()
-    if device.type == "cuda":
-        kernels = [e for e in events if e.device_type.name == "CUDA"]
-        busy = sum(e.device_time for e in kernels) / 1e6  # us -> s
-        launches = sum(1 for e in events if e.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel"))
-        return (f"{len(kernels) / tokens:.2f} GPU kernels per token ({len(kernels) / steps:.0f} per decode step), "
-                f"{launches / steps:.1f} host launches per decode step, GPU busy {100 * busy / wall:.0f}% of "
-                f"{wall:.2f} s ({tokens} tokens, {steps} decode steps, prefill included)")
-    ops = [e for e in events if e.name.startswith("aten::")]
-    return (f"{len(ops) / steps:.0f} aten operators per decode step on CPU (no GPU: kernel launches and busy share "
-            f"pending), {wall:.2f} s for {tokens} tokens")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, sp(n))
+            sync(device)
+        events = prof.events()
+        counts.append((sum(1 for e in events if e.device_type.name == "CUDA"), engine.stats.decode_steps,
+                       sum(1 for e in events if e.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel"))))
+    steps = max(1, counts[1][1] - counts[0][1])
+    return (counts[1][0] - counts[0][0]) / steps, f"{(counts[1][2] - counts[0][2]) / steps:.1f} host launches"
+
+
+def profile_rows(actor, arch, batch, engine, engine_ms: float, mean_kv: int, prompt_len: int, new_tokens: int,
+                 eos_id: int, device, add, cpu: bool) -> None:
+    """``--profile`` at one row count: kernels per decode step of the engine (fused step), of the engine through the
+    model's modules (``EngineSettings.fused = False``) and of the plain graphed step of ``benchmarks/plain_decode.py``
+    at the same shape, rows and mean KV length, in this process; then the ratio row (kernels, and speed: the plain
+    step's ms / the engine's ms per decode step, rollout included; target >= 1.0)."""
+    from plain_decode import PlainStep
+
+    from laconic_nemo.rollout.engine import DecodeEngine
+
+    rows, n = len(batch), min(new_tokens, 128)
+    unit = "operators" if cpu else "GPU kernels"
+    per_layer = "" if cpu else " (prefill excluded)"
+    fused, note = decode_kernels(engine, batch, n, eos_id, device)
+    add("profile", f"engine decode step (fused), {rows} rows", f"{fused:.0f} {unit} per step{per_layer}, {note}",
+        f"{engine_ms:.2f} ms/step (rollout / steps)", "-")
+    modules = DecodeEngine(actor.model, actor.vocab_size, engine_settings(cpu, prompt_len, new_tokens, fused=False))
+    plain_k, note = decode_kernels(modules, batch, n, eos_id, device)
+    modules.free()
+    add("profile", f"engine decode step, module path (fused=False), {rows} rows", f"{plain_k:.0f} {unit} per step, "
+        f"{note}", "-", f"fused / module {fused / plain_k:.2f}")
+    dtype = actor.config.params_dtype
+    try:
+        plain = PlainStep(arch, rows, mean_kv, device, dtype)
+        ms, capture = plain.time()
+        k = plain.kernels_per_step() if not cpu else plain.ops().kernels
+    except torch.cuda.OutOfMemoryError:
+        add("profile", f"plain graphed step, {rows} rows", "OOM", "-", "-")
+        return
+    add("profile", f"plain graphed step (benchmarks/plain_decode.py), {rows} rows, KV {mean_kv}",
+        f"{k:.0f} {unit} per step, capture {capture:.2f} s", f"{ms:.2f} ms/step ({1e3 * rows / ms:,.0f} tok/s)", "1.00")
+    add("profile", f"engine vs plain step, {rows} rows", f"kernels {fused / k:.2f}x the plain step's",
+        f"speed {ms / engine_ms:.2f}x (plain ms / engine ms)", "target >= 1.0 on a GPU")
+    del plain
+    free()
+
+
+def seqused_estimate(out, settings, positions: int, weight_bytes: int, kv_bytes_per_token: int) -> str:
+    """What reading each row's own length (``varlen_attn(seqused_k=...)``) would save on this rollout: the engine's
+    schedule replayed on its response lengths (``rollout.schedule.simulate``, the engine's own windows): KV positions
+    attention reads (bucket x KV length per step) against those the live rows hold, and bytes per step with the
+    weights read once each step."""
+    from laconic_nemo.rollout.schedule import simulate
+
+    s = simulate(out.prompt_lengths.tolist(), out.response_lengths.tolist(), None, positions,
+                 int(out.response_lengths.max()), settings.batch_buckets, settings.kv_block, settings.sync_every)
+    now = s.decode_steps * weight_bytes + s.kv_read * kv_bytes_per_token
+    per_row = s.decode_steps * weight_bytes + s.kv_needed * kv_bytes_per_token
+    return (f"KV positions read {s.kv_read / s.kv_needed:.2f}x those held by live rows (rows live "
+            f"{100 * s.live_row_steps / s.row_steps:.0f}% of the bucket); bytes per step {gb(now / s.decode_steps)} now, "
+            f"{gb(per_row / s.decode_steps)} per-row: {100 * (1 - per_row / now):.1f}% less")
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def time_hf_generate(hf, prompts, new_tokens, device) -> tuple[float, int]:
@@ -397,7 +462,7 @@ def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eo
         engine = DecodeEngine(actor.model, actor.vocab_size, engine_settings(cpu, prompt_len, new_tokens))
         label = f"decode engine, device sampler, {rows} rows"
         try:
-            dt, out, warm = time_engine(engine, batch, new_tokens, eos_id, device, logprobs=i == 0)
+            dt, out, warm, ws = time_engine(engine, batch, new_tokens, eos_id, device, logprobs=i == 0)
         except torch.cuda.OutOfMemoryError:
             add("rollout", label, "OOM", "-", "-")
             continue
@@ -407,8 +472,9 @@ def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eo
         mean_cached = float((out.prompt_lengths + out.response_lengths / 2).float().mean())
         bound = bound_tok_s(weight_bytes, kv_tok, rows, mean_cached, tbs)
         ratio = f"{tps / hf_tps:.2f}" if hf_tps else "-"
-        add("rollout", label, f"{ntok} tok in {dt:.2f} s ({1e3 * dt / max(1, engine.stats.decode_steps):.1f} "
-            f"ms/step; first run with captures {warm:.1f} s; {engine.stats.graphs} graphs)", f"{tps:,.0f} tok/s",
+        ms = 1e3 * dt / max(1, engine.stats.decode_steps)
+        add("rollout", label, f"{ntok} tok in {dt:.2f} s ({ms:.2f} ms/step; first run {warm:.1f} s, of it "
+            f"{ws.captures} captures in {ws.capture_s:.1f} s; {engine.stats.graphs} graphs)", f"{tps:,.0f} tok/s",
             f"{ratio}; {100 * tps / bound:.1f}% of the bound {bound:,.0f} tok/s")
         if i == 0:
             inside = torch.zeros(out.tokens.shape[0], out.tokens.shape[1] - 1)
@@ -417,13 +483,50 @@ def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eo
                 inside[r, p - 1 : p + n - 1] = 1
             lp = actor.logprobs(TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, inside),
                                 micro_batch_size=4)
-            diff = float((out.logprobs - lp)[inside.bool()].abs().max())
+            diff = (out.logprobs - lp)[inside.bool()].abs()
             add("rollout", f"log-prob mismatch, engine vs training forward, {rows} rows",
-                f"max |diff| {diff:.2e} over {int(inside.sum())} tokens", "-", str(actor.config.params_dtype)[6:])
-            if profile:
-                add("rollout", f"profile of the engine's decode steps, {rows} rows",
-                    profile_engine(engine, batch, min(new_tokens, 128), eos_id, device), "-", "-")
+                f"max |diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e} over {int(inside.sum())} tokens",
+                "-", str(actor.config.params_dtype)[6:])
+        if profile:
+            w = engine.stats.windows
+            mean_kv = round(sum(kv * n for _, kv, n in w) / max(1, sum(n for _, _, n in w)))
+            profile_rows(actor, arch, batch, engine, ms, mean_kv, prompt_len, new_tokens, eos_id, device, add, cpu)
         engine.free()
+
+
+def geometric_lengths(rows: int, cap: int, mean: float, seed: int = 7) -> list[int]:
+    """Response lengths (tokens, EOS included) geometric with E[min(G, cap)] = ``mean``, capped at ``cap``."""
+    h = hazard_for_mean(mean, cap)
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (torch.log1p(-u) / torch.log1p(torch.tensor(-h, dtype=torch.float64))).ceil().clamp(1, cap).long().tolist()
+
+
+def schedule_rows(add) -> None:
+    """The engine's window schedule (``rollout.schedule.simulate``, no model) on the DeepSeek-shaped draw at the paper's
+    shape - 48 rows (and 256) of 200-token prompts, L_max 4,096, geometric lengths of mean 3,000, DeepSeek-R1-Distill-1.5B's
+    bytes (bf16 weights read once per step, 28.7 kB of keys / values per cached token), sync every 8 steps, KV block
+    256 - for three bucket lists: graphs captured, compactions, share of bucket rows still live, KV positions read
+    against those the live rows hold, and what reading each row's own length (seqused_k) would save per step."""
+    from laconic_nemo.bridge import ModelArch
+    from laconic_nemo.rollout.engine import DEFAULT_BUCKETS
+    from laconic_nemo.rollout.schedule import captures_per_pass, fine_buckets, simulate
+
+    arch = ModelArch(**SHAPES["deepseek-1.5b"])
+    weight_bytes = 2 * params_count(arch)
+    kv_tok = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
+    P, L, positions = 200, 4096, 200 + 4096
+    for rows, name, buckets in ((r, name, b) for r in (PAPER_ROWS_PER_GPU, 256) for name, b in (
+            ("powers of two", (8, 16, 32, 64, 128, 256, 512)), ("8, multiples of 16 (default)", DEFAULT_BUCKETS),
+            ("multiples of 8", fine_buckets(step=8)))):
+        s = simulate([P] * rows, geometric_lengths(rows, L, 3000.0), None, positions, L, buckets, 256, 8)
+        now = s.decode_steps * weight_bytes + s.kv_read * kv_tok
+        per_row = s.decode_steps * weight_bytes + s.kv_needed * kv_tok
+        add("schedule", f"DeepSeek shape, {rows} rows, buckets {name}",
+            f"{s.captures} graphs (bound {captures_per_pass(rows, positions, buckets, 256)}), {s.compactions} "
+            f"compactions, rows live {100 * s.live_row_steps / s.row_steps:.0f}% of the bucket, KV read "
+            f"{s.kv_read / s.kv_needed:.2f}x what live rows hold", f"{now / s.decode_steps / 1e9:.2f} GB/step",
+            f"per-row KV lengths (seqused_k): {per_row / s.decode_steps / 1e9:.2f} GB/step, "
+            f"{100 * (1 - per_row / now):.1f}% less")
 
 
 def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, cpu, add) -> None:
@@ -445,16 +548,22 @@ def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, c
     engine = DecodeEngine(actor.model, v_eff, engine_settings(cpu, prompt_len, new_tokens))
     label = f"DeepSeek-shaped rollout ({shape}), {rows} rows, L_max {new_tokens}"
     try:
-        dt, out, warm = time_engine(engine, batch, new_tokens, 0, device)
+        dt, out, warm, ws = time_engine(engine, batch, new_tokens, 0, device)
     except torch.cuda.OutOfMemoryError:
         add("deepseek", label, "OOM", "-", "-")
         return
     L = out.response_lengths.float()
     ntok = int(L.sum())
-    target = " (target <= 20 s)" if shape == "deepseek-1.5b" else ""
+    target = " (target <= 15 s on an H100, <= 12 s on an H200)" if shape == "deepseek-1.5b" else ""
     add("deepseek", label, f"{dt:.2f} s{target}; lengths mean {float(L.mean()):.0f} (drawn: geometric mean "
         f"{mean:.0f}, EOS hazard 1/{v_eff}), max {int(L.max())}, {int(out.truncated.sum())} at L_max; "
-        f"{engine.stats.compactions} compactions", f"{ntok / dt:,.0f} tok/s", f"first run {warm:.1f} s")
+        f"{engine.stats.compactions} compactions, buckets {sorted({w[0] for w in engine.stats.windows})}",
+        f"{ntok / dt:,.0f} tok/s", f"first run {warm:.1f} s, of it {ws.captures} captures in {ws.capture_s:.1f} s "
+        "(target <= 10 s)")
+    weight_bytes = sum(p.numel() * p.element_size() for p in actor.module.parameters())
+    add("deepseek", "per-row KV lengths (varlen_attn seqused_k), estimate on this rollout",
+        seqused_estimate(out, engine.settings, engine.cache.shape.positions, weight_bytes,
+                         engine.cache.shape.bytes_per_token), "-", "not built (docs/benchmarks.md)")
     engine.free()
     actor._decode_engine = None
     free()
@@ -565,6 +674,9 @@ def main(argv=None) -> int:
         print(f"# bf16 8192^3 matmul measured: {peak_meas:.0f} TFLOP/s; data-sheet peak {H100_BF16_PEAK / 1e12:.0f}")
     print(f"# memory bandwidth of the bound: {1e3 * tbs:,.0f} GB/s ({tbs_src}); copy measured in this run "
           f"{1e3 * copy_tbs:,.0f} GB/s")
+    from laconic_nemo.runtime.kernels import describe_packed_attention
+
+    print(f"# packed attention (sdpa) on a GPU: {describe_packed_attention('sdpa', dtype if not cpu else None)}")
 
     # the Hugging Face model with random weights, its state dict feeds the megatron actor
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -672,6 +784,7 @@ def main(argv=None) -> int:
         free()
 
     if "deepseek" not in skip:
+        schedule_rows(add)
         deepseek_section("tiny-untied" if cpu else "deepseek-1.5b", args, device, dtype, prompt_len, ds_new,
                          ds_mean, cpu, add)
 

@@ -33,6 +33,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from laconic_nemo.core.constraints import CarryOver
 from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, check_dual
 from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
@@ -160,6 +161,11 @@ class ModelConfig:
   hf:        a Hugging Face checkpoint directory (model.path), loaded through laconic_nemo.bridge
   nemo:      a .nemo checkpoint (model.path), NeMo-Aligner actor only (cluster path)""")
     path: Optional[str] = opt(None)
+    shape_from: Optional[str] = opt(None, above="""synthetic only: a Hugging Face config.json (or its folder) whose architecture and vocabulary the
+synthetic GPT takes, weights random (the bridge's layer: RMSNorm, SwiGLU, GQA, its RoPE base). The
+synthetic task's character ids are its first ids; a response rarely draws EOS from so large a
+vocabulary, so it runs to rollout.max_new_tokens. A published model's step without its weights
+(recipes/gpu_check_1.5b.yaml, benchmarks/paper_step.py); null: the shape keys below""")
     num_layers: int = opt(2, ge=1,
                           above="Shape of the synthetic GPT (ignored for hf/nemo, which read it from the checkpoint).")
     hidden_size: int = opt(64, "a multiple of num_attention_heads", ge=1)
@@ -182,6 +188,8 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
         else:  # megatron splits the hidden size into equal heads (hf / nemo checkpoints state their own shape)
             _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
                      f"a multiple of model.num_attention_heads = {self.num_attention_heads}", self.hidden_size)
+        _require(self.shape_from is None or self.source == "synthetic", "model.shape_from",
+                 f"null with model.source = {self.source} (the checkpoint states its own shape)", self.shape_from)
         q = self.num_query_groups
         _require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
                  f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)
@@ -481,8 +489,10 @@ A sample's tokens depend on (run.seed, step, DP rank, sample index) only, never 
     sync_every: int = opt(8, "decode steps between host synchronisations (finished rows are checked there)", ge=1)
     compact: bool = opt(True, """at each synchronisation, move the live rows into the smallest
 batch bucket they fit""")
-    batch_buckets: List[int] = opt([8, 16, 32, 64, 128, 256, 512], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
-largest. Inferred: powers of two, like vLLM's capture sizes.""")
+    batch_buckets: List[int] = opt([8, *range(16, 513, 16)], above="""Batch sizes a decode step runs at (one CUDA graph each, per KV length); the cache's rows are the
+largest. 8, then every multiple of 16 up to 512: a batch of 48 rows runs as 48, at most 15 rows of a bucket
+are padding. Inferred: vLLM captures every multiple of 8 up to 256, of 16 above; coarser here because
+each bucket is captured once per KV length (laconic-nemo plan prints the bound)""")
     kv_block: int = opt(256, """attention reads the cache up to the longest live row, rounded up to a multiple of
 this many positions (one graph per length); inferred""", ge=1)
     cuda_graphs: bool = opt(True, "capture each decode step as a CUDA graph (GPU); false: run it eagerly")
@@ -515,7 +525,20 @@ class CheckpointConfig:
 (never refuses an output_dir that already holds a run)""")
     resume_allow_changes: List[str] = opt([], above="""Keys allowed to differ from the resumed checkpoint's config (e.g. [run.seed, laconic.eta]); any other
 difference refuses the resume, listing every key. Run length, logging, checkpoint and warm-up keys,
-timeouts and reward.num_workers may always change (laconic_nemo/grpo/resume.py).""")
+timeouts and reward.num_workers may always change (laconic_nemo/grpo/resume.py).
+The multipliers of the constraints are restored by what they belong to: each budget class by its key
+(its budget, 500, or its bin, 500-1000, as in the laconic/lambda/class_* metrics), the tail constraint
+by its B_tail and q. A class or tail constraint that differs from the checkpoint's is refused, naming
+the keys, unless one of these entries says how to carry the state over:
+  class:new      a class the checkpoint lacks starts at laconic.lambda_init
+  class:dropped  the multiplier of a checkpoint class this run lacks is dropped
+  class:budgets  a bin whose budgets differ from the checkpoint's keeps its multiplier
+  class:OLD=NEW  this run's class NEW takes the multiplier of the checkpoint's class OLD (e.g.
+                 class:500-1000=500-1200 for a moved bin edge, class:22=24 for a changed budget)
+  tail:carry     a tail constraint with another B_tail or q keeps the checkpoint's mu (clipped into
+                 [0, laconic.tail_ceiling])
+  tail:reset     it starts at laconic.tail_init instead (also when the checkpoint has no tail constraint)
+The config keys behind the change (e.g. data.target_lengths) must be listed too (docs/reliability.md).""")
     export_hf: bool = opt(False, above="""true: when training finishes, write the final policy as a Hugging Face folder ${run.output_dir}/hf
 (what `laconic-nemo export RUN --to hf OUT` writes). Needs model.source = hf: the synthetic GPT has no
 Hugging Face architecture. Runs on rank 0 after the final checkpoint while the other ranks wait, so it
@@ -614,11 +637,23 @@ class Config:
                  f"false with model.source = {self.model.source} (only hf runs have a Hugging Face architecture)",
                  self.checkpoint.export_hf)
         for key in self.checkpoint.resume_allow_changes:
+            if CarryOver.is_entry(key):  # how to carry the constraints' state over (core.constraints.CarryOver)
+                try:
+                    CarryOver.parse([key])
+                except ValueError as exc:
+                    raise ConfigError(f"checkpoint.resume_allow_changes = {str(key)!r} is invalid: allowed a "
+                                      f"config key or a carry-over entry ({exc})") from None
+                continue
             node: Any = self
             for part in str(key).split("."):
                 node = getattr(node, part, _MISSING) if dataclasses.is_dataclass(node) else _MISSING
-            _require(node is not _MISSING, "checkpoint.resume_allow_changes", "a list of config keys (e.g. [run.seed])",
-                     str(key))
+            _require(node is not _MISSING, "checkpoint.resume_allow_changes",
+                     "a list of config keys (e.g. [run.seed]) and carry-over entries (class:new, class:dropped, "
+                     "class:budgets, class:OLD=NEW, tail:carry, tail:reset)", str(key))
+        try:
+            CarryOver.parse(list(self.checkpoint.resume_allow_changes))
+        except ValueError as exc:  # two entries that contradict each other
+            raise ConfigError(f"checkpoint.resume_allow_changes is invalid: {exc}") from None
 
 
 def _check_constraints(cfg: "Config") -> None:

@@ -228,3 +228,36 @@ def test_actor_kwargs_share_one_config(dist1):
     assert model.config is kw["transformer_config"]  # settings the actor puts on the config reach the model
     assert (kw["vocab_size"], kw["padded_vocab_size"]) == (100, 128)
     assert model.embedding.word_embeddings.weight.shape[0] == kw["padded_vocab_size"]
+
+
+def test_synthetic_gpt_takes_the_shape_of_a_config_json(dist1, tmp_path):
+    """model.shape_from: the synthetic GPT with the architecture and vocabulary of a Hugging Face config.json (the
+    bridge's layer, megatron's random initialisation, nothing loaded); a vocabulary smaller than the synthetic
+    task's ids is refused naming the key. The one-GPU check's shape is gpu_step's DeepSeek-R1-Distill-Qwen-1.5B."""
+    import sys
+    from pathlib import Path
+
+    from laconic_nemo.actors.megatron_build import model_parts
+    from laconic_nemo.config import load_config
+    from laconic_nemo.runtime.megatron_env import parallel_info
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    from gpu_step import SHAPES, hf_config
+
+    assert arch_from_hf_config(root / "recipes" / "shapes" / "deepseek-r1-distill-qwen-1.5b") == \
+        ModelArch(**SHAPES["deepseek-1.5b"])
+    arch = ModelArch(**SHAPES["tiny-untied"])
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(arch)))
+    cfg = load_config(root / "recipes" / "tiny_cpu.yaml", [f"model.shape_from={tmp_path}", "model.vocab_size=36"])
+    parts = model_parts(cfg.model, parallel_info(1, 1))
+    model = parts.model_provider(True, True)
+    assert parts.hf_path is None and parts.vocab_size == arch.vocab_size == 512
+    assert parts.transformer_config.gated_linear_unit and parts.transformer_config.num_query_groups == 2
+    assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(arch.rope_theta ** (-2 / arch.head_dim))
+    assert sum(p.numel() for p in model.parameters()) != sum(
+        p.numel() for p in model_parts(load_config(root / "recipes" / "tiny_cpu.yaml").model,
+                                       parallel_info(1, 1)).model_provider(True, True).parameters())
+    with pytest.raises(ValueError, match="model.shape_from"):
+        model_parts(load_config(root / "recipes" / "tiny_cpu.yaml",
+                                [f"model.shape_from={tmp_path}", "model.vocab_size=600"]).model, parallel_info(1, 1))

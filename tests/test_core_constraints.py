@@ -19,7 +19,14 @@ from laconic_nemo.core import (
     report_counts,
     shape,
 )
-from laconic_nemo.core.constraints import find_marker
+from laconic_nemo.core.constraints import (
+    CarryOver,
+    ConstraintStateMismatch,
+    classes_state_problem,
+    find_marker,
+    saved_classes,
+    tail_state_problem,
+)
 
 
 # ------------------------------------------------------------------ reasoning span
@@ -262,7 +269,135 @@ def test_state_round_trip_exact():
     bc2.load_state_dict(bc.state_dict())
     t2.load_state_dict(t.state_dict())
     assert bc2.values() == bc.values() and t2.value == t.value
-    with pytest.raises(ValueError, match="budget classes mismatch"):
+    with pytest.raises(ConstraintStateMismatch, match="class 30 is new .*class 20 of the checkpoint is gone"):
         BudgetClasses([10, 30], None, eta=0.37, ceiling=3.0).load_state_dict(bc.state_dict())
-    with pytest.raises(ValueError, match="tail constraint mismatch"):
+    with pytest.raises(ConstraintStateMismatch, match="the tail constraint differs: the checkpoint has the tail "
+                                                      "constraint B_tail=15,q=0.3, this run B_tail=16,q=0.3"):
         TailConstraint(16, 0.3, 0.11, 0.9).load_state_dict(t.state_dict())
+
+
+def _moved(classes: BudgetClasses, lams: dict[str, float]) -> BudgetClasses:
+    """``classes`` with the multipliers set by class key (one dual step each, so the state is past its start)."""
+    for name, d in zip(classes.names, classes.duals):
+        d.update(1.0 + lams[name] / d.eta)  # lam = 0 + eta (rho - 1) = lams[name] (below the ceiling 3)
+    return classes
+
+
+def test_classes_state_is_keyed_and_restored_by_key_not_position():
+    """The issue's case: a saved class missing (its entry removed) must not shift the others. The multipliers come
+    back under their own keys; a class whose key the checkpoint lacks is refused, naming it."""
+    saved = _moved(BudgetClasses([22, 40, 60], None, eta=0.5, ceiling=3.0), {"22": 0.25, "40": 0.5, "60": 0.75})
+    state = saved.state_dict()
+    assert sorted(state["classes"]) == ["22", "40", "60"] and state["classes"]["40"]["budgets"] == [40.0]
+    fresh = BudgetClasses([22, 40, 60], None, eta=0.5, ceiling=3.0)
+    fresh.load_state_dict(state)
+    assert fresh.values() == [0.25, 0.5, 0.75]
+    del state["classes"]["22"]
+    with pytest.raises(ConstraintStateMismatch, match="class 22 is new") as caught:
+        BudgetClasses([22, 40, 60], None, eta=0.5, ceiling=3.0).load_state_dict(state)
+    assert caught.value.entries == ["class:new"]
+    carried = BudgetClasses([22, 40, 60], None, eta=0.5, ceiling=3.0, lambda_init=0.125)
+    carried.load_state_dict(state, carry=CarryOver(new=True))
+    assert carried.values() == [0.125, 0.5, 0.75]  # 22 at lambda_init; 40 and 60 keep their own
+
+
+def test_carry_over_entries_rename_drop_and_rebin():
+    saved = _moved(BudgetClasses([22, 40], None, eta=0.5, ceiling=3.0), {"22": 0.25, "40": 0.5})
+    state = saved.state_dict()
+    # a changed budget (22 -> 24): one class for another; the refusal proposes the rename
+    with pytest.raises(ConstraintStateMismatch) as caught:
+        BudgetClasses([24, 40], None, eta=0.5, ceiling=3.0).load_state_dict(state)
+    assert caught.value.entries == ["class:22=24"]
+    renamed = BudgetClasses([24, 40], None, eta=0.5, ceiling=3.0)
+    renamed.load_state_dict(state, carry=CarryOver.parse(["class:22=24"]))
+    assert renamed.values() == [0.25, 0.5]
+    # a class gone: refused, then dropped with class:dropped
+    with pytest.raises(ConstraintStateMismatch, match="class 22 of the checkpoint is gone"):
+        BudgetClasses([40], None, eta=0.5, ceiling=3.0).load_state_dict(state)
+    only = BudgetClasses([40], None, eta=0.5, ceiling=3.0)
+    only.load_state_dict(state, carry=CarryOver.parse(["class:dropped", "run.seed"]))  # config keys are ignored
+    assert only.values() == [0.5]
+    # bins: the same bin with other budgets is refused (class:budgets keeps it); a moved edge renames the bin
+    binned = _moved(BudgetClasses([20, 30, 50], [10, 40, 60], eta=0.5, ceiling=3.0), {"10-40": 0.25, "40-60": 0.5})
+    b_state = binned.state_dict()
+    assert b_state["classes"]["10-40"]["budgets"] == [20.0, 30.0]
+    with pytest.raises(ConstraintStateMismatch, match=r"class 10-40 holds the budgets \[20, 35\], the checkpoint's "
+                                                      r"\[20, 30\]") as caught:
+        BudgetClasses([20, 35, 50], [10, 40, 60], eta=0.5, ceiling=3.0).load_state_dict(b_state)
+    assert caught.value.entries == ["class:budgets"]
+    kept = BudgetClasses([20, 35, 50], [10, 40, 60], eta=0.5, ceiling=3.0)
+    kept.load_state_dict(b_state, carry=CarryOver(budgets=True))
+    assert kept.values() == [0.25, 0.5]
+    moved = BudgetClasses([20, 30, 50], [10, 45, 60], eta=0.5, ceiling=3.0)
+    with pytest.raises(ConstraintStateMismatch):  # both bins renamed: 10-40 -> 10-45 and 40-60 -> 45-60
+        moved.load_state_dict(b_state)
+    moved.load_state_dict(b_state, carry=CarryOver.parse(["class:10-40=10-45", "class:40-60=45-60"]))
+    assert moved.values() == [0.25, 0.5]
+    with pytest.raises(ConstraintStateMismatch, match="class:99=45-60 names class 99, which the checkpoint lacks"):
+        moved.load_state_dict(b_state, carry=CarryOver.parse(["class:10-40=10-45", "class:99=45-60"]))
+    for bad in ("class:nope", "class:=5", "tail:keep", "class:1=2=3"):
+        with pytest.raises(ValueError, match="not a carry-over entry"):
+            CarryOver.parse([bad])
+
+
+def test_tail_state_by_its_settings():
+    t = TailConstraint(44, 0.1, 0.5, 0.9)
+    t.update(1, 2)  # mu = 0.5 (0.5 / 0.1 - 1) clipped to 0.9
+    state = t.state_dict()
+    other = TailConstraint(50, 0.1, 0.5, 0.6)
+    with pytest.raises(ConstraintStateMismatch) as caught:
+        other.load_state_dict(state)
+    assert caught.value.entries == ["tail:carry", "tail:reset"]
+    other.load_state_dict(state, carry="carry")
+    assert other.value == 0.6  # the saved 0.9, clipped into this run's [0, 0.6]
+    reset = TailConstraint(50, 0.1, 0.5, 0.6, init=0.2)
+    reset.load_state_dict(state, carry="reset")
+    assert reset.value == 0.2
+    with pytest.raises(ConstraintStateMismatch, match="the checkpoint has no tail constraint") as caught:
+        TailConstraint(44, 0.1, 0.5, 0.9).load_state_dict(None, carry="carry")
+    assert caught.value.entries == ["tail:reset"]
+
+
+def test_list_form_of_older_checkpoints_is_read_only_when_unambiguous():
+    """Older checkpoints saved the multipliers as a list in the order of the class names: read when there is one
+    per name and the names are those the saved budgets and edges make; else the problem names why."""
+    a, b = (_moved(BudgetClasses([22, 40], None, eta=0.5, ceiling=3.0), {"22": 0.25, "40": 0.5}).duals[i].state_dict()
+            for i in (0, 1))
+    old = {"budgets": [22.0, 40.0], "edges": None, "names": ["22", "40"], "duals": [a, b]}
+    assert classes_state_problem(old) is None
+    assert {k: v["dual"]["lam"] for k, v in saved_classes(old).items()} == {"22": 0.25, "40": 0.5}
+    fresh = BudgetClasses([22, 40], None, eta=0.5, ceiling=3.0)
+    fresh.load_state_dict(old)
+    assert fresh.values() == [0.25, 0.5]
+    short = {**old, "duals": [b]}  # the first entry removed: which class is it for?
+    key, value, allowed = classes_state_problem(short)
+    assert key == "duals" and value == "a list of 1" and "one multiplier per class of 'names' (2: 22, 40" in allowed
+    with pytest.raises(ValueError, match="ambiguous"):
+        BudgetClasses([22, 40], None, eta=0.5, ceiling=3.0).load_state_dict(short)
+    renamed = {**old, "names": ["40", "22"]}
+    assert classes_state_problem(renamed)[0] == "names"
+
+
+@pytest.mark.parametrize("edit, key, allowed", [
+    (lambda s: s["classes"]["22"]["dual"].update(lam="abc"), "classes.22.dual.lam", "a finite number"),
+    (lambda s: s["classes"]["22"]["dual"].update(lam=True), "classes.22.dual.lam", "a finite number"),
+    (lambda s: s["classes"]["40"]["dual"].pop("eta"), "classes.40.dual.eta", "a finite number >= 0"),
+    (lambda s: s["classes"]["40"]["dual"].update(num_updates=-1), "classes.40.dual.num_updates", "an integer >= 0"),
+    (lambda s: s["classes"]["40"].update(budgets="40"), "classes.40.budgets", "a non-empty list of finite numbers"),
+    (lambda s: s["classes"]["40"].update(dual=None), "classes.40.dual", "a mapping"),
+    (lambda s: s.update(classes=[]), "classes", "a non-empty mapping"),
+])
+def test_bad_values_in_a_saved_classes_state_are_named(edit, key, allowed):
+    state = _moved(BudgetClasses([22, 40], None, eta=0.5, ceiling=3.0), {"22": 0.25, "40": 0.5}).state_dict()
+    assert classes_state_problem(state) is None
+    edit(state)
+    got = classes_state_problem(state)
+    assert got is not None and got[0] == key and got[2].startswith(allowed), got
+
+
+def test_bad_values_in_a_saved_tail_state_are_named():
+    state = TailConstraint(44, 0.1, 0.5, 0.9).state_dict()
+    assert tail_state_problem(state) is None
+    assert tail_state_problem({**state, "dual": {**state["dual"], "lam": "0.3"}})[:2] == ("dual.lam", "0.3")
+    assert tail_state_problem({**state, "share": 1.5})[:2] == ("share", 1.5)
+    assert tail_state_problem(None)[0] == ""

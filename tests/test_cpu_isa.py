@@ -76,6 +76,16 @@ def test_the_key_names_the_kernels_in_effect():
 
 
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
+def test_the_planned_kernels_are_what_a_pinned_process_runs(monkeypatch):
+    """An evaluation looks the trainer's warm-up up under planned_cpu_isa(): in this (unpinned) test process it equals
+    what a freshly pinned process reports, so the lookup finds the ranks' cache; native, it is this process's own."""
+    monkeypatch.delenv("LACONIC_CPU_ISA", raising=False)
+    assert isa.planned_cpu_isa() == _isa_in({"LACONIC_CPU_ISA": "avx2"}) == PINNED
+    monkeypatch.setenv("LACONIC_CPU_ISA", "native")
+    assert isa.planned_cpu_isa() == isa.cpu_isa()
+
+
+@pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
 def test_mkl_honours_the_pinned_branch_on_this_processor():
     """MKL reports the branch it runs (its exported mkl_serv_cbwr_get(MKL_CBWR_BRANCH)): COMPATIBLE (3) under the pin
     on this processor, whatever its vendor; AVX2 is not a pin that holds everywhere (MKL runs it on Intel processors

@@ -1,6 +1,8 @@
 """The decode engine (laconic_nemo/rollout/engine.py) on CPU, one process (TP 1): its tokens against today's
 sampler, its log-probs against the model's own full forward, batch independence, compaction, passes, the
-rehearsed capture sequence, the KV-cache size check; and the pure pieces (buckets, KV rows, cache bytes).
+rehearsed capture sequence, the KV-cache size check, the fused decode step (laconic_nemo/rollout/fused.py: every
+layout goes through it; its operators per step); and the pure pieces (buckets, KV rows, cache bytes, the window
+schedule and its capture bound, RoPE factors).
 
 Today's sampler is the reference: ``megatron_sampler.sample`` (exact) and ``sample_on_device`` (device, finished
 rows compacted) driven by the megatron-core forward with megatron's ``InferenceParams`` cache
@@ -18,9 +20,16 @@ from engine_models import build_model, full_forward_logprobs, response_positions
 from reference_loop import model_reference  # noqa: E402
 
 from laconic_nemo.grpo.interfaces import SamplingParams  # noqa: E402
-from laconic_nemo.rollout.engine import DecodeEngine, EngineSettings  # noqa: E402
+from laconic_nemo.rollout.engine import DEFAULT_BUCKETS, DecodeEngine, EngineSettings  # noqa: E402
 from laconic_nemo.rollout.graphs import GraphRunner, bucket_for, kv_length  # noqa: E402
 from laconic_nemo.rollout.kv_cache import KVCacheShape, KVCacheTooLarge, StaticKVCache, check_fits  # noqa: E402
+from laconic_nemo.rollout.schedule import (  # noqa: E402
+    WindowPlan,
+    captures_in_all,
+    captures_per_pass,
+    fine_buckets,
+    simulate,
+)
 
 torch.set_num_threads(1)
 EOS = 3
@@ -81,6 +90,7 @@ def test_tokens_equal_todays_sampler(models, family, sampler):
     ref = model_reference(model, V, prompts, sp, sampler=sampler, stream=2, sync_every=3)
     eng = DecodeEngine(model, V, settings(sampler))
     out = eng.generate(prompts, sp, stream=2)
+    assert eng.fused  # through the fused decode step
     assert same(out, ref)
     assert out.truncated.any() and (~out.truncated).any()  # EOS mid-batch and rows running to the limit
     assert eng.stats.compactions >= 1 and eng.stats.windows[-1][0] < eng.stats.windows[0][0]  # bucket shrank
@@ -99,6 +109,7 @@ def test_logprobs_match_the_models_full_forward(models, family):
     sp = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=20, eos_id=EOS, seed=3)
     eng = DecodeEngine(model, V, settings("device"))
     out = eng.generate(prompts, sp, return_logprobs=True)
+    assert eng.fused
     inside = response_positions(out)
     ref = full_forward_logprobs(model, V, out.tokens, temperature=0.7)
     assert out.logprobs.shape == ref.shape
@@ -142,6 +153,9 @@ def test_rehearsed_capture_sequence_keeps_the_tokens(models, sampler):
     rehearsed = eng.generate(prompts, sp, return_logprobs=True)
     assert same(plain, rehearsed) and torch.equal(plain.logprobs, rehearsed.logprobs)
     assert len(eng.runner.rehearsed) >= 2  # several keys: buckets / KV lengths changed during the rollout
+    # one rehearsal per (bucket, KV length) key, timed
+    assert eng.stats.captures == len(eng.runner.rehearsed) == len({w[:2] for w in eng.stats.windows})
+    assert eng.stats.capture_s > 0
 
 
 def test_engine_reads_the_live_weights(models):
@@ -272,3 +286,180 @@ def test_a_result_survives_the_next_call(models):
     eng.generate(grpo_prompts(seed=15), SamplingParams(temperature=1.0, max_new_tokens=10, eos_id=EOS, seed=2),
                  return_logprobs=True)
     assert all(torch.equal(getattr(first, k), v) for k, v in kept.items())
+
+
+# ---------------------------------------------------------------------------------------------- the fused step
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "te"])
+def test_fused_step_equals_the_module_path(models, family):
+    """The fused decode step serves the three layer layouts (Qwen2-like, Qwen3's q/k norms and untied output, the
+    TransformerEngine layout's norms inside linear_qkv / linear_fc1) and samples the tokens of the module path
+    (``EngineSettings.fused = False``: each layer's own modules, megatron's RoPE function) with the same log-probs
+    bit for bit on CPU (RoPE as megatron's multiply and add; the GEMMs accumulating into the residual see one
+    block of the reduction at these widths)."""
+    model, V = models[family]
+    prompts = grpo_prompts(seed=16, vocab=V)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=16, eos_id=EOS, seed=9)
+    fused = DecodeEngine(model, V, settings("device"))
+    modules = DecodeEngine(model, V, settings("device", fused=False))
+    assert fused.fused and not modules.fused and modules.unfused_reason == "EngineSettings.fused = False"
+    a = fused.generate(prompts, sp, return_logprobs=True)
+    b = modules.generate(prompts, sp, return_logprobs=True)
+    assert same(a, b) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_fused_step_operators_per_layer(dist1):
+    """Operators per decode step (counted at the dispatcher on CPU, every step alike) are at most a bound linear in
+    the layers. Per layer: two norms (``F.rms_norm``: one kernel on a GPU, its operators on CPU counted here) and
+    12 more: addmm (linear_qkv + bias), flip / mul / mul / add (RoPE of q, k, v at once; flip, mul, addcmul on a
+    GPU), one index_put_ (keys and values), sdpa, addmm_ (linear_proj into the residual), mm (linear_fc1), silu,
+    mul, addmm_ (linear_fc2 into the residual). Outside the layers: the final norm and 55: embedding 1, RoPE factors 2, mask 3, logits 1, device
+    sampler 31 (counter uniforms 18, inverse CDF 12, copy 1), bookkeeping 17. The module path needs >= 10 more
+    per layer."""
+    import torch.nn.functional as F
+
+    from laconic_nemo.rollout.opcount import count_ops
+
+    with count_ops() as c:
+        F.rms_norm(torch.randn(2, 8), (8,), torch.ones(8), 1e-6)
+    norm = c.count.kernels
+
+    def kernels_per_step(layers: int, fused: bool) -> int:
+        model = build_model(tiny_arch(num_layers=layers), "local", seed=0)
+        eng = DecodeEngine(model, 29, settings("device", fused=fused))
+        eng.count_ops = True
+        eng.generate([[5, 6, 7]] * 4, SamplingParams(temperature=1.0, max_new_tokens=6, eos_id=EOS, seed=1))
+        counts = {c.kernels for c in eng.stats.step_ops}
+        assert len(eng.stats.step_ops) == eng.stats.decode_steps == 5 and len(counts) == 1
+        return counts.pop()
+
+    per_layer = 2 * norm + 12
+    fused = {n: kernels_per_step(n, True) for n in (2, 4)}
+    modules = {n: kernels_per_step(n, False) for n in (2, 4)}
+    for n, k in fused.items():
+        assert k <= n * per_layer + norm + 55, (n, k)
+    assert (modules[4] - modules[2]) - (fused[4] - fused[2]) >= 2 * 10
+
+
+def test_48_rows_decode_in_a_48_row_bucket(models):
+    """The default buckets (8, then multiples of 16) run 48 rows as 48 in a cache of 64 rows, where powers of two
+    ran them in the 64-row bucket; the tokens are today's sampler's either way."""
+    assert DEFAULT_BUCKETS == fine_buckets() and len(DEFAULT_BUCKETS) == 33
+    assert DEFAULT_BUCKETS[:5] == (8, 16, 32, 48, 64) and DEFAULT_BUCKETS[-1] == 512
+    from laconic_nemo.config import RolloutConfig
+
+    assert tuple(RolloutConfig().batch_buckets) == DEFAULT_BUCKETS  # the recipe default is the engine's
+    model, V = models["qwen2"]
+    prompts = grpo_prompts(seed=17, n_unique=8, G=6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5, eos_id=EOS, seed=3)
+    fine = DecodeEngine(model, V, settings("device", batch_buckets=DEFAULT_BUCKETS, kv_cache_rows=64))
+    out = fine.generate(prompts, sp)
+    assert len(prompts) == 48 and fine.cache.shape.rows == 64
+    assert {w[0] for w in fine.stats.windows} == {48}
+    coarse = DecodeEngine(model, V, settings("device", batch_buckets=(8, 16, 32, 64), kv_cache_rows=64))
+    assert same(coarse.generate(prompts, sp), out) and coarse.stats.windows[0][0] == 64
+    assert same(out, model_reference(model, V, prompts, sp, sampler="device", sync_every=3))
+
+
+# ---------------------------------------------------------------------------------------------- the schedule
+def test_schedule_replays_the_engines_windows(models):
+    """:func:`simulate` on a rollout's response lengths gives the engine's own windows (bucket, KV length, steps),
+    compactions and captured keys: the estimates of plan and the benchmark follow the engine."""
+    model, V = models["qwen2"]
+    prompts = grpo_prompts(seed=5)
+    sp = SamplingParams(temperature=0.9, top_p=0.85, max_new_tokens=24, eos_id=EOS, seed=11)
+    st = settings("device", rehearse_graphs=True)
+    eng = DecodeEngine(model, V, st)
+    out = eng.generate(prompts, sp)
+    sim = simulate(out.prompt_lengths.tolist(), out.response_lengths.tolist(), None, eng.cache.shape.positions,
+                   24, st.batch_buckets, st.kv_block, st.sync_every)
+    assert eng.stats.compactions >= 1
+    assert sim.windows == eng.stats.windows and sim.compactions == eng.stats.compactions
+    assert sim.decode_steps == eng.stats.decode_steps and sim.captures == eng.stats.captures
+
+
+def test_window_plan_hand_worked():
+    """Buckets (2, 4), KV block 4, a window of 3 steps, L_max 9 (8 decode steps); prompts 3, 10, 4, 5 tokens,
+    responses of 2, 9, 9, 1 tokens. Window 1: 4 rows, reach 10 + 3 = 13 -> KV 16. After it (t = 3) only samples 1
+    and 2 are live (response > t + 1): they fit bucket 2, positions [0, max(10, 4) + 4) = [0, 14) of both rows
+    move. Window 2: reach 10 + 6 = 16 -> 16; window 3: 2 steps, reach 18 -> 20. Positions read: 4 x 16 x 3 +
+    2 x 16 x 3 + 2 x 20 x 2 = 368; held by live rows (step k: prompt + k while k < response): sample 0 at k = 1:
+    4; sample 1: sum of 10 + k, k = 1..8 = 116; sample 2: 68; total 188."""
+    s = simulate([3, 10, 4, 5], [2, 9, 9, 1], None, 32, 9, (2, 4), 4, 3)
+    assert s.windows == [(4, 16, 3), (2, 16, 3), (2, 20, 2)]
+    assert (s.compactions, s.captures, s.decode_steps, s.moved) == (1, 3, 8, 2 * 14)
+    assert (s.kv_read, s.kv_needed, s.row_steps, s.live_row_steps) == (368, 188, 4 * 3 + 2 * 5, 1 + 8 + 8)
+    # the KV length never shrinks in a pass: here the long prompt finishes first (its reach would drop to 12)
+    plan = WindowPlan([20, 3], 2, 40, 9, (1, 2), 4, 3, True)
+    assert plan.window() == (2, 24, 3)
+    plan.ran(3)
+    move = plan.sync([1])
+    assert (move.alive, move.old, move.new, move.upto) == ([1], 2, 1, 3 + 3 + 1) and plan.slot_ids == [1]
+    assert plan.window() == (1, 24, 3)
+
+
+def test_captures_stay_within_the_bound():
+    """Random rollouts (lengths, prompt lengths, sizes, buckets, in one pass or several) never capture more graphs in
+    a pass than ``captures_per_pass`` nor more in all than ``captures_in_all``; the bound of the flagship cache
+    (48 rows, 5,120 positions, KV block 256) is 4 buckets + 20 lengths - 1."""
+    assert captures_per_pass(48, 5120, DEFAULT_BUCKETS, 256) == 23 and captures_in_all(48, 5120, DEFAULT_BUCKETS, 256) == 80
+    assert captures_per_pass(48, 5120, (8, 16, 32, 64), 256) == 23  # 48 rows: 8, 16, 32 and the cache's 48
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        L = int(torch.randint(2, 80, (1,), generator=g))
+        P = torch.randint(1, 30, (n,), generator=g).tolist()
+        r = torch.randint(1, L + 1, (n,), generator=g).tolist()
+        buckets = (2, 4, 8, 12, 16, 24, 32) if trial % 2 else fine_buckets(top=48, step=4, first=1)
+        positions, block = max(P) + L, int(torch.randint(1, 9, (1,), generator=g))
+        rows = None if trial % 3 else max(1, n // 2)
+        s = simulate(P, r, rows, positions, L, buckets, block, sync_every=int(torch.randint(1, 6, (1,), generator=g)))
+        cap = n if rows is None else min(rows, n)
+        assert max(s.pass_keys) <= captures_per_pass(cap, positions, buckets, block), trial
+        assert s.captures <= captures_in_all(cap, positions, buckets, block) and len(s.pass_keys) == s.passes
+        assert s.kv_needed <= s.kv_read and s.live_row_steps <= s.row_steps
+
+
+# ---------------------------------------------------------------------------------------------- RoPE, the cache
+@pytest.mark.parametrize("fma", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [16, 8])
+def test_fused_rope_is_megatrons(interleaved, rot, fma):
+    """The fused step's RoPE (one flip, then multiplies and an add over the q | k | v slots, factors gathered from
+    ``fused.rope_table``) against megatron's ``_apply_rotary_pos_emb_bshd`` row by row at each row's own position,
+    full and partial rotary dimension, interleaved or not: bit for bit as on CPU (``fma=False``), within a rounding
+    of the fused multiply-add as on a GPU (``addcmul``); the value slot passes unchanged bit for bit."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from laconic_nemo.rollout.fused import rope_table, rotate
+
+    g = torch.Generator().manual_seed(rot + interleaved)
+    b, G, per, d = 5, 2, 3, 16
+    inv = 1.0 / (1e4 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    ang = torch.arange(50, dtype=torch.float64)[:, None] * inv[None]
+    freqs = torch.stack((ang, ang), -1).reshape(50, rot) if interleaved else torch.cat((ang, ang), -1)
+    pos = torch.randint(0, 50, (b,), generator=g)
+    for dtype, tol in ((torch.float64, 1e-15), (torch.float32, 1e-6)):
+        x = torch.randn(b, G, per + 2, d, generator=g, dtype=torch.float64).to(dtype)
+        f = rope_table(freqs.to(dtype), interleaved, dtype)[pos].index_select(2, torch.tensor([0] * (per + 1) + [1]))
+        out = rotate(x, f[:, 0].unsqueeze(1), f[:, 1].unsqueeze(1), interleaved, fma=fma)
+        for i in range(b):
+            t = x[i, :, : per + 1].reshape(1, 1, G * (per + 1), d)
+            ref = _apply_rotary_pos_emb_bshd(t, freqs[pos[i]].to(dtype).view(1, 1, 1, rot), interleaved)
+            if fma:
+                assert float((out[i, :, : per + 1] - ref.view(G, per + 1, d)).abs().max()) <= tol * 4
+            else:
+                assert torch.equal(out[i, :, : per + 1], ref.view(G, per + 1, d))
+        assert torch.equal(out[:, :, per + 1], x[:, :, per + 1])
+        assert not torch.equal(out[:, :, :per + 1], x[:, :, :per + 1])  # it turned something
+
+
+def test_write_kv_is_write_in_one_call():
+    """Keys and values [2, n, groups, head_dim] from a strided view (the rotated tensor's last two slots) land where
+    two ``write`` calls put them; nothing else changes."""
+    shape = KVCacheShape(2, 4, 6, 2, 3, torch.float32)
+    one, two = StaticKVCache(shape, "cpu"), StaticKVCache(shape, "cpu")
+    rows, pos = torch.tensor([3, 0, 2]), torch.tensor([5, 1, 1])
+    r = torch.randn(3, 2, 4, 3)  # [n, groups, slots, head_dim]: slots 2, 3 are k, v
+    one.write_kv(1, rows, pos, r[:, :, 2:].permute(2, 0, 1, 3))
+    two.write(1, rows, pos, r[:, :, 2], r[:, :, 3])
+    assert torch.equal(one.data, two.data) and one.data[1].abs().sum() > 0 and one.data[0].abs().sum() == 0

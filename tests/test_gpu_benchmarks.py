@@ -1,9 +1,10 @@
-"""The GPU benchmark and the padding-waste benchmark run on CPU at tiny shapes (so they stay alive in CI), and
-their measurements hold what the GPU path promises: the same reference log-probs wherever pi_ref's weights
-live, and less padding with length-sorted micro-batches and row compaction."""
+"""The GPU benchmarks (gpu_step.py, paper_step.py) and the padding-waste benchmark run on CPU at tiny shapes (so they
+stay alive in CI), and their measurements hold what the GPU path promises: the same reference log-probs wherever
+pi_ref's weights live, and less padding with length-sorted micro-batches and row compaction."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,7 +35,33 @@ def test_gpu_step_runs_on_cpu_and_prints_its_table():
         assert re.search(r"\| [\d,]+ tok/s \| [\d.]+; [\d.]+% of the bound [\d,]+ tok/s \|", row), row
     mismatch = rows[1 + names.index("log-prob mismatch, engine vs training forward, 8 rows")]
     assert float(re.search(r"max \|diff\| ([\d.e+-]+)", mismatch).group(1)) < 1e-4
-    assert any(n.startswith("profile of the engine's decode steps") for n in names)
+    # --profile: operators per decode step of the fused step, of the module path and of the plain step of
+    # benchmarks/plain_decode.py at the same shape and rows; the ratio row; the fused step needs fewer operators
+    for n in (8, 32):
+        def ops(name):
+            row = rows[1 + names.index(name)]
+            return int(re.search(r"\| (\d+) operators per step", row).group(1))
+
+        fused = ops(f"engine decode step (fused), {n} rows")
+        modules = ops(f"engine decode step, module path (fused=False), {n} rows")
+        plain_name = next(x for x in names if x.startswith(f"plain graphed step (benchmarks/plain_decode.py), {n} rows"))
+        plain = ops(plain_name)
+        assert fused < modules and plain > 0
+        ratio = rows[1 + names.index(f"engine vs plain step, {n} rows")]
+        assert f"kernels {fused / plain:.2f}x the plain step's" in ratio and re.search(r"speed [\d.]+x", ratio)
+    # the window schedule on the paper's draw (no model): within the capture bound; at 256 rows the default buckets
+    # (8, multiples of 16) read fewer bytes per step than powers of two
+    sched = {n: r for n, r in zip(names, rows[1:]) if n.startswith("DeepSeek shape, ")}
+    assert len(sched) == 6
+    for r in sched.values():
+        graphs, bound = map(int, re.search(r"(\d+) graphs \(bound (\d+)\)", r).groups())
+        assert graphs <= bound
+    gbs = {n: float(re.search(r"\| ([\d.]+) GB/step \|", r).group(1)) for n, r in sched.items()}
+    assert gbs["DeepSeek shape, 256 rows, buckets 8, multiples of 16 (default)"] < \
+        gbs["DeepSeek shape, 256 rows, buckets powers of two"]
+    # the per-row KV length estimate on the DeepSeek-shaped rollout: attention reads at least what live rows hold
+    est = rows[1 + next(i for i, x in enumerate(names) if x.startswith("per-row KV lengths"))]
+    assert float(re.search(r"KV positions read ([\d.]+)x", est).group(1)) >= 1.0 and "% less" in est
     # the DeepSeek-shaped rollout (48 rows, lengths drawn around 0.73 x L_max) and the 500-step projection
     ds = rows[1 + next(i for i, n in enumerate(names) if n.startswith("DeepSeek-shaped rollout"))]
     mean = float(re.search(r"lengths mean (\d+)", ds).group(1))
@@ -75,3 +102,27 @@ def test_padding_waste_before_and_after_under_15_percent():
     # packing leaves no padding at all; pipeline parallelism's fixed shape pads the packs' tails, still < fixed width
     assert waste[("training", "packed, PP 1")] == 0.0
     assert 0.0 < waste[("training", "packed, PP > 1")] < waste[("training", False)]
+
+
+def test_paper_step_runs_on_cpu_and_prints_every_phase_and_the_projection(tmp_path):
+    """benchmarks/paper_step.py: `laconic-nemo train` on recipes/gpu_check_1.5b.yaml at a tiny shape, 3 steps; every
+    phase with its steady seconds and first step's extra, MFU, peak memory, the kernel, the 500-step projection."""
+    out = _run("benchmarks/paper_step.py", "--device", "cpu", "--output-dir", str(tmp_path))
+    phases = {m.group(1): (float(m.group(2)), float(m.group(3)))
+              for m in re.finditer(r"^\| (.+?) \| (-?[\d.]+) \| ([+-][\d.]+) \|$", out, re.M)}
+    expected = ["rollout (generation + reward)", "old log-probs", "reference log-probs", "optimiser step 1",
+                "optimiser step 2", "optimiser step 3", "optimiser step 4", "dual step", "step (checkpoint excluded)"]
+    assert all(p in phases for p in expected), sorted(phases)
+    assert "optimiser step 5" not in phases  # 48 responses, minibatch 12: four
+    assert all(phases[p][0] > 0 for p in expected if p != "dual step")
+    assert re.search(r"^\| checkpoint \(at the end of the run\) \| [\d.]+ \| - \|$", out, re.M)
+    assert re.search(r"MFU [\d.]+% of 989 TFLOP/s", out) and "peak memory: n/a (CPU)" in out
+    assert "packed kernel used: dense" in out and "# packed attention on a GPU here:" in out
+    proj = re.search(r"^projection: 500 steps on 16 GPUs .* = ([\d.]+) h", out, re.M)
+    assert proj and float(proj.group(1)) > 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the table is the metrics' steady mean: the old log-probs' row against the run's own numbers
+    steady = sum(r["time/logprobs/old"] for r in rows[1:]) / 2
+    assert abs(phases["old log-probs"][0] - steady) < 0.006
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000003"

@@ -116,9 +116,11 @@ def test_decode_engine_equals_todays_sampler(results, layout):
     """The decode engine (the actor's ``generate``) against today's sampler loop on the same actor
     (tests/dist/engine_checks.py): equal tokens, lengths and truncation flags at TP 2, PP 2 and DP 2 x TP 1, for
     both samplers, prompts of different lengths in GRPO groups, EOS mid-batch, top-p < 1, compaction into smaller
-    buckets, and in passes of 5 rows; the engine's log-probs agree with the training forward's."""
+    buckets, and in passes of 5 rows; the engine's log-probs agree with the training forward's. All through the
+    fused decode step (rollout/fused.py: its row-parallel GEMMs all-reduced over TP, its hidden rows sent over PP)."""
     for r in results[layout]:
         e = r["engine"]
+        assert e["fused"]
         assert r["gen_matches_reference_loop"]  # the first check's rollout too (after a GRPO step)
         for sampler in ("exact", "device"):
             assert e[f"{sampler}_equal"], sampler
@@ -137,7 +139,7 @@ def test_decode_engine_tensor_parallel_pieces(results):
     reproduces its own full forward's log-probs."""
     for r in results["tp2"]:
         e = r["engine"]
-        assert e["embedding_equal"] and e["te_has_fused_norm"]
+        assert e["embedding_equal"] and e["te_has_fused_norm"] and e["te_fused"]
         assert e["te_equal"] and e["te_logprob_err"] < 2e-5
 
 

@@ -5,6 +5,7 @@ the progress line's ETA, and the refusal of a dashboard whose package is missing
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +139,58 @@ def test_a_dashboard_without_its_package_is_refused_before_the_run(monkeypatch):
     M.check_sinks(load_config(TINY, []))  # the defaults need nothing
     with pytest.raises(ConfigError, match="logging.wandb_mode = 'cloud' is invalid"):
         load_config(TINY, ["logging.wandb_mode=cloud"])
+
+
+def test_wandb_resend_the_rows_it_does_not_hold(tmp_path, monkeypatch):
+    """W&B held none of run 0's steps (its service died with the process: here its offline run is removed); the
+    resumed run re-sends rows 1..3 of metrics.jsonl before its own steps 4..6, each once."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def lose(sinks):
+        die_wandb(sinks[0])
+        for f in wandb_offline_runs(tmp_path):
+            shutil.rmtree(f.parent)
+
+    rows = crash_and_resume(tmp_path, lambda k: [M.WandbSink(tmp_path, "laconic-test", "tiny", "offline")], 5, 3, 6,
+                            die=lose)
+    history = [h for f in wandb_offline_runs(tmp_path) for h in wandb_history(f)[1]]
+    assert [h["_step"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert [h["lambda"] for h in history] == [r["lambda"] for r in rows]  # 1-3 from metrics.jsonl, 4-6 the resumed
+
+
+class _Broken:
+    """A dashboard whose writes fail from step ``at`` on (a full disk)."""
+
+    def __init__(self, at: int):
+        self.at, self.got = at, []
+
+    def describe(self):
+        return "Broken /full"
+
+    def log(self, step, scalars, texts):
+        if step >= self.at:
+            raise OSError(28, "No space left on device")
+        self.got.append(step)
+
+    def close(self):
+        raise AssertionError("a failed dashboard is not closed")
+
+
+def test_a_failing_dashboard_is_named_once_and_the_others_go_on(tmp_path, capsys):
+    broken, fine = _Broken(2), _Broken(99)
+    fine.close = lambda: None
+    w = M.MetricsWriter(tmp_path, 0, 0, num_steps=4, log_every=10)
+    w.start(0, [broken, M.FailedSink("Gone /ro", PermissionError(13, "Permission denied")), fine])
+    for s in range(1, 5):
+        w.write(row(s, 0))
+    w.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["laconic-nemo train: dashboard Gone /ro could not be opened at step 1: PermissionError: [Errno 13] "
+                   "Permission denied; training goes on without it for the rest of this session",
+                   "laconic-nemo train: dashboard Broken /full failed writing at step 2: OSError: [Errno 28] No space "
+                   "left on device; training goes on without it for the rest of this session"]
+    got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and broken.got == [1] and fine.got == [1, 2, 3, 4]
+    assert got[0]["notes"] == [err[0][len("laconic-nemo train: "):]] and got[1]["notes"] == [err[1][20:]]
+    assert "notes" not in got[2] and "notes" not in got[3]

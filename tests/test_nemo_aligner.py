@@ -834,6 +834,7 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
         assert calls == ["prepare", "finish"]
         engine = actor.decode_engine()
         assert isinstance(engine, DecodeEngine) and isinstance(engine.model, GPTModel) and engine.vocab_size == V
+        assert engine.fused  # the fused decode step serves NeMo's GPTModel
         ref = model_reference(engine.model, V, prompts, sp, sampler=sampler, sync_every=2, causal_mask=True)
         for k in ("tokens", "prompt_lengths", "response_lengths", "lengths", "truncated"):
             assert torch.equal(getattr(out, k), getattr(ref, k)), (sampler, k)

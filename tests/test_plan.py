@@ -293,9 +293,38 @@ def test_plan_prints_the_rollout_engine_and_its_kv_cache(capsys):
     out = capsys.readouterr().out
     assert "rollout engine   megatron: the decode engine" in out
     assert "KV cache         [28 layers x 2 x 48 rows x 5120 positions x 2 kv heads x 128] bfloat16 = 6.56 GiB" in out
+    # CUDA graphs: batch buckets 8, 16, 32, 48 (<= 48 rows) and ceil(5120 / 256) = 20 KV lengths; a pass's keys form
+    # a staircase (bucket down, KV length up): <= 4 + 20 - 1, and <= 4 x 20 over every rollout
+    assert (p.decode_graphs_per_pass, p.decode_graphs_in_all) == (23, 80)
+    assert "decode graphs    <= 23 captures per rollout pass (4 batch buckets <= 48 rows + 20 KV lengths - 1)" in out
     # Qwen3-8B, TP 4 x PP 2: 18 layers and 8 / 4 kv heads per GPU, 128 responses per DP rank
     q = plan_layout(load_config(QWEN3), 4, 8, check_paths=False)
     assert q.kv_cache_bytes == 2 * 18 * 128 * 5120 * 2 * 128 * 2
     # NeMo's own generation: no KV cache of ours
     n = plan_layout(load_config(DEEPSEEK, ["rollout.engine=nemo"]), 2, 8, check_paths=False)
     assert n.rollout_engine == "nemo" and n.kv_cache is None
+
+
+def test_plan_of_the_one_gpu_check_reads_the_shape_and_names_the_packed_kernel(capsys):
+    """recipes/gpu_check_1.5b.yaml: the synthetic GPT with DeepSeek-R1-Distill-Qwen-1.5B's architecture
+    (model.shape_from): plan sizes the KV cache and the training memory from that shape (28 layers, 2 kv heads x
+    128, 48 rows x (64 + 4096) positions, bf16; SwiGLU) and names the packed-attention kernel of this torch."""
+    from laconic_nemo.runtime.kernels import torch_varlen_attn, transformer_engine_available, varlen_form
+
+    recipe = ROOT / "recipes" / "gpu_check_1.5b.yaml"
+    p = plan_layout(load_config(recipe), 1, 1)
+    assert p.kv_cache_bytes == 2 * 28 * 48 * 4160 * 2 * 128 * 2
+    assert p.steps_per_rollout == 4 and p.samples_per_rank == 48
+    kind = "varlen: torch.nn.attention.varlen.varlen_attn" if varlen_form(torch_varlen_attn()) else "flex:"
+    assert p.packed_attention.startswith(kind)
+    te = plan_layout(load_config(recipe, ["model.attention=te"]), 1, 1).packed_attention
+    assert te.startswith("te: TransformerEngine" if transformer_engine_available() else "none: model.attention=te")
+    assert main(["plan", str(recipe), "--nodes", "1", "--gpus-per-node", "1"]) == 0
+    assert f"packed attention {p.packed_attention}" in capsys.readouterr().out
+    # the shape keys alone (no shape_from) would give another model: the shape is read, not the keys
+    plain = plan_layout(load_config(recipe, ["model.shape_from=null", "model.max_position_embeddings=8192"]), 1, 1)
+    assert plain.kv_cache_bytes != p.kv_cache_bytes
+    with pytest.raises(LayoutError, match="model.shape_from"):
+        plan_layout(load_config(recipe, ["model.shape_from=/nonexistent/shape"]), 1, 1)
+    with pytest.raises(ConfigError, match="model.shape_from"):
+        load_config(recipe, ["model.source=hf", "model.path=/x"])

@@ -12,7 +12,9 @@ from laconic_nemo.config import load_config, to_dict
 from laconic_nemo.plan.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.startswith("tiny_cpu"))
+# the cluster recipes: not the defaults, the CPU demos, nor the one-GPU check of the paper's step (benchmarks/paper_step.py)
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml")
+                 if p.stem != "base" and not p.stem.startswith(("tiny_cpu", "gpu_check")))
 LAUNCH = ROOT / "launch"
 
 

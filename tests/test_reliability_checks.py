@@ -197,7 +197,7 @@ def test_resume_picks_only_complete_renamed_checkpoints(tmp_path):
     (root / "step_000001.tmp" / "trainer_state.json").write_text("{}")
     assert find_checkpoint(root) is None
     (root / "step_000002").mkdir()
-    (root / "step_000002" / "trainer_state.json").write_text("{}")
+    (root / "step_000002" / "trainer_state.json").write_text('{"step": 2, "shaper": {"shaper": "grpo"}}')
     (root / "latest").write_text("step_000003")  # names a folder pruned away
     assert find_checkpoint(root) == root / "step_000002"
 
@@ -334,7 +334,7 @@ def fake_checkpoint(out: Path, overrides: list[str], step: int = 2, world_size: 
     cfg = load_config(TINY, [*overrides, f"run.output_dir={out}"])
     ckpt = out / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    state = {"step": step, "world_size": world_size, "dp_size": 1, "shaper": {},
+    state = {"step": step, "world_size": world_size, "dp_size": 1, "shaper": {"shaper": cfg.laconic.shaper},
              "config": to_dict(cfg)}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     lines = "".join(json.dumps({"step": s, "lambda": 0.0}) + "\n" for s in range(1, step + 1))
@@ -420,6 +420,7 @@ CHECKED_ELSEWHERE = [
     ("laconic.reasoning_marker", "''", "laconic.reasoning_marker = '' is invalid"),
     ("laconic.per_prompt_budget", "true", "laconic.per_prompt_budget = True is invalid"),
     ("laconic.budget_classes", "[10,20]", "laconic.budget_classes = [10.0, 20.0] is invalid"),
+    ("model.shape_from", "/nonexistent/config.json", "model.shape_from = '/nonexistent/config.json' does not fit"),
 ]
 # keys any value of whose type is valid
 FREE = {"run.name", "data.target_instruction", "data.shuffle", "grpo.leave_one_out", "grpo.sort_by_length",
@@ -529,7 +530,7 @@ def test_checkpoints_carry_a_manifest_and_a_damaged_one_is_named_and_skipped(tmp
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
     mgr = CheckpointManager(root, keep_last=3, rank=0)
     for step in (1, 2):
-        mgr.save(step, _Actor(float(step)), lambda step=step: {"step": step}, metrics_file=tmp_path / "metrics.jsonl")
+        mgr.save(step, _Actor(float(step)), lambda step=step: {"step": step, "shaper": {"shaper": "grpo"}}, metrics_file=tmp_path / "metrics.jsonl")
     files = read_manifest(root / "step_000002")
     assert set(files) == {"model_tp00_pp00.pt", "rng_rank00000.pt", "trainer_state.json", "metrics.jsonl"}
     import zlib
@@ -570,7 +571,7 @@ def test_a_crc_mismatch_seen_by_a_rank_falls_back_to_the_previous_checkpoint(tmp
     cfg = load_config(TINY, [f"run.output_dir={out}"])
     mgr = CheckpointManager(out / "checkpoints", keep_last=3, rank=0)
     for step in (1, 2):
-        mgr.save(step, _Actor(float(step)), lambda step=step: {"step": step})
+        mgr.save(step, _Actor(float(step)), lambda step=step: {"step": step, "shaper": {"shaper": "grpo"}})
     shard = out / "checkpoints" / "step_000002" / "rng_rank00000.pt"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0x01

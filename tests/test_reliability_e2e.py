@@ -49,14 +49,17 @@ class Run:
 
 
 def launch(args, out: Path, fault: str | None = None, timeout: float = 240, signal_on: tuple | None = None,
-           group: bool = False, prefix: tuple = ()) -> Run:
+           group: bool = False, prefix: tuple = (), env_extra: dict | None = None,
+           python: tuple = ("-m", "laconic_nemo")) -> Run:
     """Run `laconic-nemo train` in its own session; ``signal_on = (text, signum)`` sends ``signum`` to the
     launcher (``group``: to its whole process group, as a Ctrl-C at a terminal does) once ``text`` appears in
-    its output; ``prefix``: a command line the launcher runs under. Output is stdout and stderr together."""
-    env = clean_env()
+    its output; ``prefix``: a command line the launcher runs under; ``env_extra``: more environment variables;
+    ``python``: what the interpreter runs (default the package's command line). Output is stdout and stderr
+    together."""
+    env = {**clean_env(), **(env_extra or {})}
     if fault:
         env["LACONIC_FAULT"] = fault
-    cmd = [*prefix, sys.executable, "-m", "laconic_nemo", "train", *args, f"run.output_dir={out}"]
+    cmd = [*prefix, sys.executable, *python, "train", *args, f"run.output_dir={out}"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -78,7 +81,8 @@ def launch(args, out: Path, fault: str | None = None, timeout: float = 240, sign
         proc.wait()
         pytest.fail(f"no exit within {timeout} s:\n{''.join(lines)[-3000:]}")
     with (out.parent / "runs.log").open("a") as log:
-        log.write(f"==== {' '.join(cmd[len(prefix) + 3:])} (fault {fault}) -> {proc.returncode}\n{''.join(lines)}\n")
+        log.write(f"==== {' '.join(cmd[len(prefix) + 1 + len(python):])} (fault {fault}) -> {proc.returncode}\n"
+                  f"{''.join(lines)}\n")
     return Run(proc.returncode, "".join(lines), time.monotonic() - t0)
 
 
@@ -274,16 +278,17 @@ def test_signal_to_one_rank_before_the_rendezvous_stops_every_rank(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
-def _tmpfs_prefix(folder: Path) -> tuple:
-    """A command prefix that runs the rest on a 96 KiB tmpfs mounted at ``folder`` (a private user and mount
-    namespace: no root needed, nothing visible outside); () where this kernel does not allow it."""
+def tmpfs_prefix(folder: Path, options: str = "size=96k") -> tuple:
+    """A command prefix that runs the rest with a tmpfs mounted at ``folder`` with mount ``options`` (default: 96
+    KiB; a private user and mount namespace: no root needed, nothing visible outside); () where this kernel does
+    not allow it."""
     if shutil.which("unshare") is None:
         return ()
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=96k tmpfs {folder}"],
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {options} tmpfs {folder}"],
                            capture_output=True)
     if probe.returncode != 0:
         return ()
-    return ("unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=96k tmpfs "$0" && exec "$@"', str(folder))
+    return ("unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o {options} tmpfs "$0" && exec "$@"', str(folder))
 
 
 def test_full_disk_is_named_in_the_launchers_last_line(tmp_path):
@@ -291,7 +296,7 @@ def test_full_disk_is_named_in_the_launchers_last_line(tmp_path):
     rank fails writing its shard of checkpoint 1 (torch alone says "basic_ios::clear" or "unexpected pos")."""
     out = tmp_path / "full"
     out.mkdir()
-    prefix = _tmpfs_prefix(out)
+    prefix = tmpfs_prefix(out)
     if not prefix:
         pytest.skip("unshare -rm (user and mount namespaces) is not available to mount a small tmpfs")
     run = launch([*BASE, "warmup.num_steps=0", f"warmup.cache_dir={tmp_path / 'c'}"], out, prefix=prefix, timeout=180)

@@ -218,3 +218,45 @@ def test_a_stated_target_is_the_users_words_inside_the_user_turn():
         user = (turns[-1]["content"] if turns else render(name, " 2+2? ")) + " Think for 7 tokens."
         assert user in stated and stated.index(user) + len(user) == len(stated) - len(
             stated.split(" Think for 7 tokens.")[-1]), name
+
+
+def test_phase_parts_are_timed_beside_the_phases(monkeypatch):
+    """time/logprobs/old, time/logprobs/reference and time/policy_update/<k> (one per optimiser step) hold the
+    seconds of those calls (a clock that only the actor's calls advance), inside their phases' time/logprobs and
+    time/policy_update; the phases themselves are unchanged."""
+    import torch
+
+    from laconic_nemo.grpo import trainer as trainer_mod
+    from laconic_nemo.grpo.interfaces import GenerationOutput
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock[0])
+
+    class Actor(SimpleNamespace):
+        steps = 0
+
+        def generate(self, prompt_ids, sampling):
+            n = len(prompt_ids)
+            lengths = torch.full((n,), 5)
+            return GenerationOutput(torch.ones(n, 8, dtype=torch.long), torch.full((n,), 2), lengths + 1, lengths,
+                                    torch.zeros(n, dtype=torch.bool))
+
+        def logprobs(self, batch, reference=False, temperature=1.0):
+            clock[0] += 3.0 if reference else 2.0
+            return torch.zeros(batch.response_mask.shape)
+
+        def train_step(self, mb, loss_fn, micro):
+            Actor.steps += 1
+            clock[0] += 10.0 * Actor.steps  # optimiser step k takes 10 k "seconds"
+            return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
+
+    cfg = load_config(TINY, ["grpo.kl_beta=0.1", "grpo.minibatch_size=128"])  # 256 responses: 2 optimiser steps
+    trainer = GRPOTrainer(cfg, Actor(dp_rank=0, dp_size=1, dp_group=None), encode=list, decode=str,
+                          prompts=[(f"P{i}", "1") for i in range(50)],
+                          reward_fn=lambda texts, answers: ([0.0] * len(texts), {}), eos_id=1)
+    m = trainer.train_step(0)
+    assert (m["time/logprobs/old"], m["time/logprobs/reference"], m["time/logprobs"]) == (2.0, 3.0, 5.0)
+    assert (m["time/policy_update/1"], m["time/policy_update/2"], m["time/policy_update"]) == (10.0, 20.0, 30.0)
+    assert "time/policy_update/3" not in m
+    assert {k for k in m if k.startswith("time/")} == {f"time/{p}" for p in trainer_mod.PHASES} | {
+        "time/logprobs/old", "time/logprobs/reference", "time/policy_update/1", "time/policy_update/2"}

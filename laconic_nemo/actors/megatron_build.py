@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from laconic_nemo.config import ModelConfig
-from laconic_nemo.runtime.kernels import fusion_flags, resolve_attention, with_core_attention
+from laconic_nemo.runtime.kernels import fusion_flags, resolve_attention, rotate_packed_rows, with_core_attention
 from laconic_nemo.runtime.megatron_env import ParallelInfo
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -47,17 +47,24 @@ class ModelParts:
 
 def model_parts(model: ModelConfig, info: ParallelInfo, model_provider: ModelProvider | None = None) -> ModelParts:
     """The GPT of the ``model:`` section on this rank's layout: a Hugging Face checkpoint's architecture and shapes
-    (``source: hf``, :mod:`laconic_nemo.bridge`), else the synthetic GPT of its shape keys. ``model_provider``
-    replaces the synthetic GPT's provider."""
+    (``source: hf``, :mod:`laconic_nemo.bridge`), the synthetic GPT with the architecture of ``model.shape_from``
+    (a config.json; random weights), else the synthetic GPT of its shape keys. ``model_provider`` replaces the
+    synthetic GPT's provider."""
     on_gpu = info.device.type == "cuda"
     attention = resolve_attention(model.attention, on_gpu)
-    if model.source == "hf":
+    if model.source == "hf" or model.shape_from:
         from laconic_nemo.bridge import arch_from_hf_config
         from laconic_nemo.bridge.megatron import actor_kwargs
 
-        arch = arch_from_hf_config(str(model.path))
+        arch = arch_from_hf_config(str(model.path if model.source == "hf" else model.shape_from))
+        if model.source != "hf" and arch.vocab_size < model.vocab_size:
+            raise ValueError(f"model.shape_from = {model.shape_from!r}: its vocabulary ({arch.vocab_size}) must hold "
+                             f"the synthetic task's {model.vocab_size} token ids")
         dtype = torch.bfloat16 if model.precision == "bf16" else None
         kw = actor_kwargs(arch, info.tp_size, info.pp_size, cpu=not on_gpu, dtype=dtype, attention=attention)
+        if model.source != "hf":  # the architecture only: megatron's random initialisation
+            return ModelParts(kw["transformer_config"], model_provider or kw["model_provider"], kw["vocab_size"],
+                              kw["padded_vocab_size"])
         return ModelParts(kw["transformer_config"], model_provider or kw["model_provider"], kw["vocab_size"],
                           kw["padded_vocab_size"], hf_path=str(model.path), hf_arch=arch)
     tconfig = build_transformer_config(model, info.tp_size, info.pp_size, on_gpu=on_gpu)
@@ -102,11 +109,12 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, on_gpu: bool)
 def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embeddings: int, pre_process: bool,
                     post_process: bool, attention: str = "local"):
     """megatron-core GPTModel with the local layer spec, core attention ``attention`` (a resolved
-    ``model.attention``, see :mod:`laconic_nemo.runtime.kernels`), RoPE, untied output."""
+    ``model.attention``, see :mod:`laconic_nemo.runtime.kernels`), RoPE (per token in packed micro-batches:
+    :func:`laconic_nemo.runtime.kernels.rotate_packed_rows`), untied output."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    return GPTModel(
+    return rotate_packed_rows(GPTModel(
         config=tconfig,
         transformer_layer_spec=with_core_attention(get_gpt_layer_local_spec(), attention),
         vocab_size=padded_vocab_size,
@@ -116,7 +124,7 @@ def build_gpt_model(tconfig: Any, padded_vocab_size: int, max_position_embedding
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
-    )
+    ), attention)
 
 
 def wrap_model(model_provider: ModelProvider, transformer_config: Any, device: torch.device) -> list:

@@ -114,8 +114,9 @@ class LogprobsMixin:
     def _pack_forward(self, model, pack: Pack) -> torch.Tensor:
         """The model on one packed micro-batch: logits [1, S, V/tp] on the last stage (hidden states before)."""
         tok = pack.tokens.to(self.device)
-        params = packed_seq_params(pack.cu_seqlens.to(self.device), pack.max_seqlen)
-        return model(tok, pack.position_ids.to(self.device), None, packed_seq_params=params)
+        pos = pack.position_ids.to(self.device)  # restart in every row: RoPE's per-token positions
+        params = packed_seq_params(pack.cu_seqlens.to(self.device), pack.max_seqlen, position_ids=pos)
+        return model(tok, pos, None, packed_seq_params=params)
 
     def _schedule(self, forward_step: Callable, micro_batches: list, seq_length: int, micro_batch_size: int,
                   forward_only: bool) -> list:

@@ -21,6 +21,7 @@ from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
+RANK_REFUSAL = "laconic-nemo train: rank "  # how a rank's line of a failed check (status 2) begins
 
 
 def register(subparsers) -> None:
@@ -112,10 +113,13 @@ def run(args) -> int:
         return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=par.watchdog_s,
                             step_factor=par.watchdog_step_factor, min_s=par.watchdog_min_s,
                             output_dir=str(cfg.run.output_dir))
+    from laconic_nemo.grpo.resume import ResumeError
+
     try:
         return train(cfg)
-    except ConfigError as exc:  # a check only a rank can make (e.g. a prompt longer than the context): one line
-        print(f"laconic-nemo train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+    except (ConfigError, ResumeError) as exc:
+        # a check only a rank can make (a prompt longer than the context, a checkpoint's state): one line
+        print(f"{RANK_REFUSAL}{os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -204,12 +208,15 @@ def _stall_report(procs, heartbeat_dir: str, bound: float, why: str) -> str:
 
 class _RankOutput:
     """Copies one rank's stdout and stderr, line by line, to the launcher's own, and keeps its last lines
-    (the launcher's closing line quotes them)."""
+    (the launcher's closing line quotes them). A failed check's line (``laconic-nemo train: rank R: ...``) that
+    another rank already printed with the same words is kept but not copied again: the user reads it once."""
 
     _lock = threading.Lock()
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, refusals: set[str] | None = None):
         self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        self.refusals = refusals if refusals is not None else set()  # shared by the ranks of one launch
+        self.refused = False  # this rank printed a failed check's line
         self.threads = [threading.Thread(target=self._copy, args=(pipe, sink), daemon=True)
                         for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
         for t in self.threads:
@@ -220,6 +227,12 @@ class _RankOutput:
             with self._lock:
                 if line.strip():
                     self.tail.append(line.rstrip("\n"))
+                if line.startswith(RANK_REFUSAL):
+                    self.refused = True
+                    words = line.split(": ", 2)[-1]
+                    if words in self.refusals:
+                        continue
+                    self.refusals.add(words)
                 if sink is not None:
                     try:
                         sink.write(line)
@@ -252,7 +265,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
       inside a step ``max(min_s, step_factor x the longest step)``), it names the stalled rank (a stopped
       process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
     * Its last line names the first rank that failed (in the order the ranks ended), how (signal or exit
-      status) and why: "No space left on device" when that is the cause, else the rank's last line.
+      status) and why: "No space left on device" when that is the cause, else the rank's last line. A rank
+      that ended on a failed check (status 2, its line ``laconic-nemo train: rank R: ...``) has said it: the
+      launcher copies the first of the ranks' identical lines and adds nothing after it.
 
     Returns 0 when all ranks finished, 3 when they stopped on a signal, 4 on a hang, else the failed
     rank's exit status (1 when it died on a signal)."""
@@ -273,6 +288,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     received[:0] = _EARLY_SIGNAL  # one that came before this handler replaced the start-up one
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
     procs, outputs = [], []
+    refusals: set[str] = set()
     for rank in range(nprocs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -285,7 +301,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
         procs.append(subprocess.Popen([sys.executable, "-m", "laconic_nemo.app.train_cli", *argv], env=env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, errors="replace", process_group=0))
-        outputs.append(_RankOutput(procs[-1]))
+        outputs.append(_RankOutput(procs[-1], refusals))
     ended: list[int] = []  # ranks in the order they ended (a thread per rank waits for it)
     ended_lock = threading.Lock()
 
@@ -309,6 +325,12 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
             order = list(ended)
         return [r for r in order if procs[r].returncode not in (0, 3) and r not in stopped_by_us]
 
+    def refused(r: int) -> bool:  # the rank ended on a failed check (status 2) and printed its line: it says it all
+        if procs[r].returncode != 2:
+            return False
+        outputs[r].join(5.0)  # its output ends with it
+        return outputs[r].refused
+
     def finish() -> None:  # every rank has ended: its output is all copied before the launcher's last words
         for t in waiters:
             t.join(10.0)
@@ -325,7 +347,8 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
             for r in failed():
                 if r not in reported:
                     reported.add(r)
-                    say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
+                    if not refused(r):
+                        say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
                     if failed_at is None:
                         failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -356,8 +379,10 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
         shutil.rmtree(heartbeat_dir, ignore_errors=True)
     bad = failed()
     for r in bad:  # ranks that ended between the last poll and the loop's end (every rank within one poll)
-        if r not in reported:
+        if r not in reported and not refused(r):
             say(f"rank {r} (pid {procs[r].pid}) {_how(procs[r].returncode)}")
+    if bad and refused(bad[0]):  # its one line was the last word
+        return 2
     if bad:
         first = procs[bad[0]]
         cause = _cause(list(outputs[bad[0]].tail), output_dir)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from laconic_nemo.bridge.arch import ModelArch, padded_vocab_size
-from laconic_nemo.runtime.kernels import core_attention_module, fusion_flags, resolve_attention
+from laconic_nemo.runtime.kernels import core_attention_module, fusion_flags, resolve_attention, rotate_packed_rows
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, cpu: bool = True, dtype: torch.dtype | None = None,
@@ -122,13 +122,15 @@ def _rope_kwargs(arch: ModelArch) -> dict:
 def build_gpt_model(arch: ModelArch, config, pre_process: bool = True, post_process: bool = True,
                     vocab_divisible_by: int = 128, parallel_output: bool = True, attention: str = "auto"):
     """One GPTModel (pipeline stage) for ``arch`` with ``config`` from :func:`transformer_config`;
-    ``attention``: ``model.attention`` (auto: by the device the config was built for)."""
+    ``attention``: ``model.attention`` (auto: by the device the config was built for); packed micro-batches get RoPE
+    per token (:func:`laconic_nemo.runtime.kernels.rotate_packed_rows`)."""
     from megatron.core.models.gpt import GPTModel
 
     on_gpu = not config.use_cpu_initialization  # the device transformer_config(cpu=...) was built for
-    return GPTModel(
+    kind = resolve_attention(attention, on_gpu=on_gpu)
+    return rotate_packed_rows(GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, resolve_attention(attention, on_gpu=on_gpu)),
+        transformer_layer_spec=layer_spec(arch, kind),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -138,7 +140,7 @@ def build_gpt_model(arch: ModelArch, config, pre_process: bool = True, post_proc
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
         **_rope_kwargs(arch),
-    )
+    ), kind)
 
 
 def model_provider(arch: ModelArch, cpu: bool | None = None, dtype: torch.dtype | None = None,

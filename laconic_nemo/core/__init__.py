@@ -8,12 +8,16 @@ Nothing here imports megatron-core, NeMo or vLLM.
 from laconic_nemo.core.advantages import ADVANTAGE_STD, as_groups, group_advantages
 from laconic_nemo.core.constraints import (
     BudgetClasses,
+    CarryOver,
+    ConstraintStateMismatch,
     TailConstraint,
     class_report,
+    classes_state_problem,
     local_counts,
     per_prompt_cost64,
     reasoning_lengths,
     report_counts,
+    tail_state_problem,
 )
 from laconic_nemo.core.costs import (
     clipped_cost,
@@ -28,8 +32,10 @@ from laconic_nemo.core.dual import (
     DualController,
     check_dual,
     default_ceiling,
+    dual_state_problem,
     load_shaper_state,
     next_lambda,
+    shaper_problem,
     shaper_state,
 )
 from laconic_nemo.core.shapers import (
@@ -44,7 +50,10 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "TailConstraint", "class_report", "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint",
+    "class_report", "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem",
+    "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper",
+    "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
     "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
     "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
     "shaper_state", "shaping_metrics",

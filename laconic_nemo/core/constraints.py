@@ -21,20 +21,34 @@ L per distinct budget, the responses per distinct budget, the responses in the t
 Python floats, so every rank (and every layout: DP 2 gives what DP 1 gives) computes the same multipliers bit for
 bit. The counts of one rank are :func:`local_counts` ([2 D + 2] int64: sums and counts per distinct budget, tail
 count, responses); :func:`class_ratios` and :func:`tail_share` read the all-reduced vector.
+
+**Saved state, keyed by what it belongs to.** :meth:`BudgetClasses.state_dict` keys each class's multiplier by
+the class (its budget ``"500"`` or its bin ``"500-1000"``, :func:`class_name`) together with the budgets it
+holds; :meth:`TailConstraint.state_dict` holds B_tail and q beside mu. A resume maps saved to current classes by
+key (:func:`match_classes`), never by position: a class the checkpoint lacks, one it has and this run lacks, a
+renamed class or a class whose budgets changed is refused (:class:`ConstraintStateMismatch`, naming the keys)
+unless a :class:`CarryOver` says how to carry the state over (``checkpoint.resume_allow_changes`` entries
+``class:new``, ``class:dropped``, ``class:budgets``, ``class:OLD=NEW``, ``tail:carry``, ``tail:reset``; parsed by
+:meth:`CarryOver.parse`). The state of older checkpoints (one list of multipliers beside the list of class names)
+is read when it is unambiguous: as many multipliers as names, and the names those its own budgets and bin edges
+give. :func:`classes_state_problem` and :func:`tail_state_problem` name a bad value inside a saved state (key,
+value, allowed) without a run to load it into.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from laconic_nemo.core.dual import DualController
+from laconic_nemo.core.dual import DualController, dual_state_problem
 
-__all__ = ["BudgetClasses", "TailConstraint", "WITHIN", "class_name", "class_report", "find_marker", "local_counts",
-           "per_prompt_cost64", "reasoning_lengths", "report_counts"]
+__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint", "WITHIN", "class_name",
+           "class_report", "classes_state_problem", "find_marker", "local_counts", "match_classes",
+           "per_prompt_cost64", "reasoning_lengths", "report_counts", "saved_classes", "tail_state_problem"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -211,16 +225,237 @@ class BudgetClasses:
     def values(self) -> list[float]:
         return [d.value for d in self.duals]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"budgets": list(self.budgets), "edges": None if self.edges is None else list(self.edges),
-                "names": list(self.names), "duals": [d.state_dict() for d in self.duals]}
+    def class_budgets(self, k: int) -> list[float]:
+        """The budgets of class ``k``, sorted."""
+        return [self.budgets[j] for j in self.members[k]]
 
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        if list(state.get("names", [])) != self.names:
-            raise ValueError(f"budget classes mismatch: checkpoint has {state.get('names')}, this run has "
-                             f"{self.names}")
-        for d, s in zip(self.duals, state["duals"]):
-            d.load_state_dict(s, strict=strict)
+    def state_dict(self) -> dict[str, Any]:
+        """``{"edges": [...] | None, "classes": {key: {"budgets": [...], "dual": controller state}}}``, each class
+        under its key (:func:`class_name`: its budget, or its bin)."""
+        return {"edges": None if self.edges is None else list(self.edges),
+                "classes": {name: {"budgets": self.class_budgets(k), "dual": d.state_dict()}
+                            for k, (name, d) in enumerate(zip(self.names, self.duals))}}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None, strict: bool = True,
+                        carry: "CarryOver | None" = None) -> None:
+        """Restore each class's multiplier from the saved class of the same key (:func:`match_classes`; ``carry``
+        says how to carry over classes that differ, default: refuse every difference; ``state`` None: a checkpoint
+        without classes). A class that takes no saved state starts at lambda_init. Raises
+        :class:`ConstraintStateMismatch` (the keys that differ) or ValueError (a bad saved value, or settings that
+        differ with ``strict``)."""
+        saved = {} if state is None else saved_classes(state)
+        plan = match_classes(saved, self, carry or CarryOver())
+        for k, (name, d) in enumerate(zip(self.names, self.duals)):
+            source = plan[name]
+            if source is None:
+                continue
+            # a class carried over from another key or other budgets keeps this run's settings (its default
+            # ceiling follows its budgets), the multiplier clipped into them
+            same = source == name and [float(b) for b in saved[source]["budgets"]] == self.class_budgets(k)
+            d.load_state_dict(saved[source]["dual"], strict=strict and same)
+
+
+def class_budgets_from_state(budgets: Sequence[float], edges: Sequence[float] | None) -> dict[str, list[float]]:
+    """``{class key: its budgets}`` of the classes that ``budgets`` and bin ``edges`` make (as
+    :class:`BudgetClasses` builds them). Raises ValueError where they make no classes."""
+    out: dict[str, list[float]] = {}
+    values = sorted({float(b) for b in budgets})
+    if edges is None:
+        return {class_name(b): [b] for b in values}
+    e = [float(x) for x in edges]
+    for b in values:
+        if not e[0] <= b <= e[-1]:
+            raise ValueError(f"budget {b:g} lies outside the bins [{e[0]:g}, {e[-1]:g}]")
+        k = min(bisect.bisect_right(e, b) - 1, len(e) - 2)
+        out.setdefault(class_name(e[k], e[k + 1]), []).append(b)
+    return out
+
+
+def _number_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                           and math.isfinite(x) for x in value)
+
+
+def classes_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """What is wrong with a saved :meth:`BudgetClasses.state_dict` (or the list form of older checkpoints):
+    ``(key, value, allowed)`` with the key relative to the state (``classes.500.dual.lam``), or None. A list form
+    that cannot be keyed unambiguously (:func:`saved_classes`) is a problem too."""
+    if not isinstance(state, Mapping):
+        return "", state, "a mapping with the budget classes' state"
+    edges = state.get("edges")
+    if edges is not None and not (_number_list(edges) and len(edges) >= 2):
+        return "edges", edges, "null or a list of at least two bin edges"
+    if "classes" in state:
+        classes = state["classes"]
+        if not isinstance(classes, Mapping) or not classes:
+            return "classes", classes, "a non-empty mapping of class key -> {budgets, dual}"
+        for key, entry in classes.items():
+            if not isinstance(entry, Mapping):
+                return f"classes.{key}", entry, "a mapping {budgets, dual}"
+            if not (_number_list(entry.get("budgets")) and entry["budgets"]):
+                return f"classes.{key}.budgets", entry.get("budgets", "(missing)"), "a non-empty list of finite numbers"
+        duals = {f"classes.{k}.dual": entry.get("dual") for k, entry in classes.items()}
+    else:  # the list form of older checkpoints
+        problem = _list_form_problem(state)
+        if problem is not None:
+            return problem
+        duals = {f"duals.{i}": d for i, d in enumerate(state["duals"])}
+    for where, dual in duals.items():
+        problem = dual_state_problem(dual)
+        if problem is not None:
+            return (f"{where}.{problem[0]}" if problem[0] else where), problem[1], problem[2]
+    return None
+
+
+def _list_form_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+    """Why the list form of an older checkpoint's classes (``budgets``, ``edges``, ``names``, ``duals`` in the order
+    of ``names``) cannot be keyed unambiguously, or None: it needs as many multipliers as names, and the names
+    those its own budgets and bin edges make."""
+    for key in ("budgets", "names", "duals"):
+        if not isinstance(state.get(key), list):
+            return key, state.get(key, "(missing)"), "a list (older checkpoints), or the mapping 'classes' instead"
+    if not _number_list(state["budgets"]) or not state["budgets"]:
+        return "budgets", state["budgets"], "a non-empty list of finite numbers"
+    try:
+        made = list(class_budgets_from_state(state["budgets"], state.get("edges")))
+    except ValueError as exc:
+        return "budgets", state["budgets"], f"budgets inside the bin edges ({exc})"
+    names = [str(n) for n in state["names"]]
+    if names != made:
+        return "names", state["names"], f"the classes its budgets and bin edges make, {made} (else which multiplier " \
+                                        "belongs to which class is ambiguous)"
+    if len(state["duals"]) != len(names):
+        return "duals", f"a list of {len(state['duals'])}", f"one multiplier per class of 'names' ({len(names)}: " \
+                                                             f"{', '.join(names)}; else which belongs to which " \
+                                                             "class is ambiguous)"
+    return None
+
+
+def saved_classes(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{class key: {"budgets": [...], "dual": controller state}}`` of a saved :meth:`BudgetClasses.state_dict`;
+    the list form of older checkpoints keyed by its names where that is unambiguous (:func:`classes_state_problem`
+    says why not: ValueError)."""
+    problem = classes_state_problem(state)
+    if problem is not None:
+        key, value, allowed = problem
+        raise ValueError(f"budget classes state: key {key or '(the state)'} = {value!r} is invalid: allowed {allowed}")
+    if "classes" in state:
+        return {str(k): {"budgets": [float(b) for b in v["budgets"]], "dual": v["dual"]}
+                for k, v in state["classes"].items()}
+    members = class_budgets_from_state(state["budgets"], state.get("edges"))
+    return {str(n): {"budgets": members[str(n)], "dual": d} for n, d in zip(state["names"], state["duals"])}
+
+
+class ConstraintStateMismatch(ValueError):
+    """The saved constraints differ from this run's and nothing says how to carry them over. ``entries``: the
+    ``checkpoint.resume_allow_changes`` entries that would accept the difference (each carries the state over
+    in one documented way, :class:`CarryOver`)."""
+
+    def __init__(self, message: str, entries: Sequence[str]):
+        super().__init__(message)
+        self.entries = list(entries)
+
+
+@dataclass(frozen=True)
+class CarryOver:
+    """How a resume carries the constraint state over where this run's constraints differ from the checkpoint's
+    (each field one ``checkpoint.resume_allow_changes`` entry; default: every difference is refused).
+
+    renames: this run's class key -> the checkpoint's class key whose multiplier it takes (``class:OLD=NEW``).
+    new: a class the checkpoint lacks starts at lambda_init (``class:new``).
+    dropped: the multiplier of a checkpoint class this run lacks is dropped (``class:dropped``).
+    budgets: a class (a bin) whose budgets differ from the checkpoint's keeps its multiplier (``class:budgets``).
+    tail: "carry" (``tail:carry``): a tail constraint with another B_tail or q keeps the checkpoint's mu (clipped
+        into this run's [0, tail_ceiling]); "reset" (``tail:reset``): it starts at tail_init (also when the
+        checkpoint has no tail constraint); None: refused.
+    """
+
+    renames: Mapping[str, str] = field(default_factory=dict)
+    new: bool = False
+    dropped: bool = False
+    budgets: bool = False
+    tail: str | None = None
+
+    PREFIXES = ("class:", "tail:")
+
+    @classmethod
+    def is_entry(cls, entry: str) -> bool:
+        """``entry`` is meant as a carry-over entry (it starts with ``class:`` or ``tail:``), not a config key."""
+        return str(entry).startswith(cls.PREFIXES)
+
+    @classmethod
+    def parse(cls, entries: Sequence[str]) -> "CarryOver":
+        """The carry-over entries among ``entries`` (config keys are left out); ValueError naming a bad one."""
+        renames: dict[str, str] = {}
+        flags = {"new": False, "dropped": False, "budgets": False}
+        tail = None
+        for entry in (str(e) for e in entries if cls.is_entry(e)):
+            kind, _, what = entry.partition(":")
+            if kind == "tail" and what in ("carry", "reset"):
+                if tail not in (None, what):
+                    raise ValueError(f"{entry!r} contradicts 'tail:{tail}'")
+                tail = what
+            elif kind == "class" and what in flags:
+                flags[what] = True
+            elif kind == "class" and what.count("=") == 1 and all(what.split("=")):
+                old, new = what.split("=")
+                if new in renames and renames[new] != old:
+                    raise ValueError(f"{entry!r}: class {new} already takes class {renames[new]}")
+                renames[new] = old
+            else:
+                raise ValueError(f"{entry!r} is not a carry-over entry: allowed class:new, class:dropped, "
+                                 "class:budgets, class:OLD=NEW (class keys as in the metric names, e.g. "
+                                 "class:500-1000=500-1200), tail:carry or tail:reset")
+        return cls(renames=renames, tail=tail, **flags)
+
+
+def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: BudgetClasses, carry: CarryOver
+                  ) -> dict[str, str | None]:
+    """Which saved class each class of this run continues: ``{this run's key: the saved key, or None (starts at
+    lambda_init)}``, by key (a renamed class by ``carry.renames``).
+
+    Raises :class:`ConstraintStateMismatch` listing every difference ``carry`` does not accept: a class of this
+    run the checkpoint lacks, a saved class this run lacks, a class whose budgets differ, a rename that names a
+    class neither side has."""
+    problems, entries = [], []
+    plan: dict[str, str | None] = {}
+    used = set()
+    for new, old in carry.renames.items():
+        if new not in classes.names or old not in saved:
+            problems.append(f"class:{old}={new} names "
+                            + (f"class {old}, which the checkpoint lacks" if old not in saved else
+                               f"class {new}, which this run lacks"))
+    for k, name in enumerate(classes.names):
+        source = carry.renames.get(name, name)
+        if source not in saved:
+            plan[name] = None
+            if not carry.new and name not in carry.renames:
+                problems.append(f"class {name} is new (the checkpoint lacks it)")
+                entries.append("class:new")
+            continue
+        plan[name] = source
+        used.add(source)
+        before, now = [float(b) for b in saved[source]["budgets"]], classes.class_budgets(k)
+        if before != now and source == name and not carry.budgets:
+            problems.append(f"class {name} holds the budgets {_show(now)}, the checkpoint's {_show(before)}")
+            entries.append("class:budgets")
+    gone = [k for k in saved if k not in used]
+    if gone and not carry.dropped:
+        problems.append(f"class{'es' if len(gone) > 1 else ''} {', '.join(gone)} of the checkpoint "
+                        f"{'are' if len(gone) > 1 else 'is'} gone from this run")
+        entries.append("class:dropped")
+    new_keys = [n for n in classes.names if n not in saved and n not in carry.renames]
+    if len(gone) == 1 and len(new_keys) == 1:  # one class for another: most likely a renamed budget or bin
+        entries = [e for e in entries if e not in ("class:new", "class:dropped")] + [f"class:{gone[0]}={new_keys[0]}"]
+    if problems:
+        raise ConstraintStateMismatch(
+            f"the budget classes differ: the checkpoint has {', '.join(saved) or 'none'}, this run "
+            f"{', '.join(classes.names)}: {'; '.join(problems)}", list(dict.fromkeys(entries)))
+    return plan
+
+
+def _show(budgets: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{b:g}" for b in budgets) + "]"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -262,14 +497,51 @@ class TailConstraint:
         self.dual.update(s)
         return s
 
+    @property
+    def key(self) -> str:
+        """What the constraint is: ``B_tail=<B_tail>,q=<q>`` (its saved state is keyed by these settings)."""
+        return tail_key(self.tail_budget, self.share)
+
     def state_dict(self) -> dict[str, Any]:
         return {"tail_budget": self.tail_budget, "share": self.share, "dual": self.dual.state_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        if strict and (float(state["tail_budget"]) != self.tail_budget or float(state["share"]) != self.share):
-            raise ValueError(f"tail constraint mismatch: checkpoint has B_tail {state['tail_budget']!r}, q "
-                             f"{state['share']!r}; this run has {self.tail_budget!r}, {self.share!r}")
+    def load_state_dict(self, state: Mapping[str, Any] | None, strict: bool = True, carry: str | None = None
+                        ) -> None:
+        """Restore mu from the saved tail constraint of the same B_tail and q. One with other settings, or none
+        (``state`` None): refused (:class:`ConstraintStateMismatch`) unless ``carry`` is "carry" (keep the saved mu,
+        clipped into this run's range; not for a missing state) or "reset" (mu stays at its initial value)."""
+        settings = None if state is None else (float(state["tail_budget"]), float(state["share"]))
+        saved = None if settings is None else tail_key(*settings)
+        if settings != (self.tail_budget, self.share):
+            if carry == "reset" or (carry == "carry" and saved is not None):
+                if carry == "carry":
+                    self.dual.load_state_dict(state["dual"], strict=False)
+                return
+            what = "no tail constraint" if saved is None else f"the tail constraint {saved}"
+            raise ConstraintStateMismatch(
+                f"the tail constraint differs: the checkpoint has {what}, this run {self.key}",
+                ["tail:reset"] if saved is None else ["tail:carry", "tail:reset"])
         self.dual.load_state_dict(state["dual"], strict=strict)
+
+
+def tail_key(tail_budget: float, share: float) -> str:
+    """The key of a tail constraint: its B_tail and q."""
+    return f"B_tail={tail_budget:g},q={share:g}"
+
+
+def tail_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """What is wrong with a saved :meth:`TailConstraint.state_dict`: ``(key, value, allowed)``, or None."""
+    if not isinstance(state, Mapping):
+        return "", state, "a mapping {tail_budget, share, dual}"
+    for key, allowed in (("tail_budget", "a finite number > 0"), ("share", "a number in (0, 1)")):
+        v = state.get(key, "(missing)")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        if not ok or (key == "share" and v >= 1):
+            return key, v, allowed
+    problem = dual_state_problem(state.get("dual"))
+    if problem is not None:
+        return (f"dual.{problem[0]}" if problem[0] else "dual"), problem[1], problem[2]
+    return None
 
 
 def local_counts(lengths: torch.Tensor, budget_index: torch.Tensor | None, num_budgets: int,

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "check_dual", "default_ceiling", "load_shaper_state",
-           "next_lambda", "shaper_state"]
+__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "check_dual", "default_ceiling", "dual_state_problem",
+           "load_shaper_state", "next_lambda", "shaper_problem", "shaper_state"]
 
 CONTROLLERS = ("integral", "pid")
 
@@ -205,15 +205,12 @@ class DualController:
         (``num_updates == 0``) may hold an initial lambda in [0, floor). A state without ``controller`` (saved
         before the pid controller existed) is an integral controller's with kp = kd = 0.
         """
-        for key in ("lam", "budget", "eta", "ceiling", "floor"):
-            if key not in state:
-                raise ValueError(f"dual state_dict is missing key {key!r}")
+        problem = dual_state_problem(state)
+        if problem is not None:
+            key, value, allowed = problem
+            raise ValueError(f"dual state_dict key {key!r} = {value!r} is invalid: allowed {allowed}")
         state = {"controller": "integral", "kp": 0.0, "kd": 0.0, **state}
-        if state["controller"] == "pid":
-            for key in ("integral", "prev_error"):
-                if key not in state:
-                    raise ValueError(f"dual state_dict of the pid controller is missing key {key!r}")
-        lam = _finite("lam", state["lam"], "a finite number")
+        lam = float(state["lam"])
         if strict:
             mine = self.state_dict()
             if state["controller"] != self.controller:
@@ -235,9 +232,9 @@ class DualController:
         self.num_updates = int(state.get("num_updates", 0))
         if self.controller == "pid":
             if state["controller"] == "pid":
-                self._integral = _finite("integral", state["integral"], "a finite number")
+                self._integral = float(state["integral"])
                 prev = state["prev_error"]
-                self._prev_error = None if prev is None else _finite("prev_error", prev, "a finite number or None")
+                self._prev_error = None if prev is None else float(prev)
             else:  # switching from an integral checkpoint (strict=False): lambda seeds the integral term
                 self._integral, self._prev_error = self._lam, None
             if not strict:
@@ -247,6 +244,67 @@ class DualController:
         return (f"DualController(lam={self._lam!r}, budget={self.budget!r}, eta={self.eta!r}, "
                 f"ceiling={self.ceiling!r}, floor={self.floor!r}, controller={self.controller!r}, kp={self.kp!r}, "
                 f"kd={self.kd!r})")
+
+
+_MISSING = object()
+
+
+def dual_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """What is wrong with a saved controller state (:meth:`DualController.state_dict`, read back from a checkpoint):
+    ``(key, value, allowed)`` for the first key that is missing or holds a value of the wrong type or range
+    (``value`` is the string ``"(missing)"`` for a missing key; key ``""``: the state itself), or None.
+
+    Only the state's own values are checked (a number where a number belongs, finite, in range); whether they
+    match a controller's settings is :meth:`DualController.load_state_dict`'s business."""
+    if not isinstance(state, Mapping):
+        return "", state, "a mapping of the controller's state (lam, budget, eta, ceiling, floor, ...)"
+
+    def number(key: str, allowed: str, low: float | None = None, positive: bool = False, optional: bool = False):
+        value = state.get(key, _MISSING)
+        if value is _MISSING:
+            return None if optional else (key, "(missing)", allowed)
+        try:
+            v = _finite(key, value, allowed, low=low)
+        except DualSettingError:
+            return key, value, allowed
+        return (key, value, allowed) if positive and v <= 0 else None
+
+    problem = (number("lam", "a finite number")
+               or number("budget", "a finite number > 0", positive=True)
+               or number("eta", "a finite number >= 0", low=0.0)
+               or number("floor", "a finite number >= 0", low=0.0)
+               or (None if state.get("ceiling", _MISSING) is None else
+                   number("ceiling", "a finite number >= 0, or null (no upper clip)", low=0.0))
+               or number("kp", "a finite number >= 0", low=0.0, optional=True)
+               or number("kd", "a finite number >= 0", low=0.0, optional=True))
+    if problem is not None:
+        return problem
+    n = state.get("num_updates", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return "num_updates", n, "an integer >= 0"
+    controller = state.get("controller", "integral")
+    if controller not in CONTROLLERS:
+        return "controller", controller, f"one of {', '.join(CONTROLLERS)}"
+    if controller == "pid":
+        problem = number("integral", "a finite number")
+        if problem is None and state.get("prev_error", _MISSING) is not None:
+            problem = number("prev_error", "a finite number, or null before the first update")
+        return problem
+    return None
+
+
+def shaper_problem(state: Any) -> tuple[str, Any, str] | None:
+    """What is wrong with a saved :func:`shaper_state`: ``(key, value, allowed)`` with the key relative to the shaper
+    entry (``dual.lam``), or None (as :func:`dual_state_problem`)."""
+    if not isinstance(state, Mapping):
+        return "", state, "a mapping with the shaper's name (and its controller's state)"
+    if not isinstance(state.get("shaper"), str):
+        return "shaper", state.get("shaper", "(missing)"), "the shaper's name"
+    if "dual" in state:
+        problem = dual_state_problem(state["dual"])
+        if problem is not None:
+            return (f"dual.{problem[0]}" if problem[0] else "dual"), problem[1], problem[2]
+    return None
 
 
 def next_lambda(dual: DualController | None, lam: float, global_mean_length: float) -> float:

@@ -12,9 +12,19 @@ checkpoint may have sent steps k+1.. to the dashboards already, and the resumed 
 TensorBoard: each writer starts with a restart marker (``purge_step``, :func:`purge_step`), the resumed one at
 k + 1, which makes TensorBoard drop every event at steps >= k + 1 written before it (its "purge orphaned data"
 rule), so each curve holds one value per step, the later write. W&B: the run is resumed under the same run id (kept in
-``<output_dir>/wandb/laconic_run.json``), and a step is sent only if it is past the last step W&B already
-holds (W&B refuses to rewrite a step): on CPU the recomputed steps are equal bit for bit, on GPU the first
-write of those few steps stays in W&B while metrics.jsonl and TensorBoard hold the later one.
+``<output_dir>/wandb/laconic_run.json``). A step counts as sent only once W&B holds it durably: W&B's service
+keeps what it is sent in memory (offline: its run file grows in 32 KiB blocks and at the run's end), so a
+kill -9 loses the steps it had not written out. Each session therefore starts from what W&B holds
+(:meth:`WandbSteps.held`: the steps in the run files of the earlier offline sessions of the run, or the online
+run's ``starting_step``), re-sends every row of ``metrics.jsonl`` after that step (:meth:`WandbSink.catch_up`)
+and sends each later step once (W&B refuses to rewrite a step): on CPU the recomputed steps are equal bit for
+bit, on GPU the first write of those few steps stays in W&B while metrics.jsonl and TensorBoard hold the later one.
+
+A dashboard never costs a step or a run: a dashboard that cannot be opened or written (a folder that cannot
+be written, a full disk, W&B's service gone) is named once on the console and in the run notes of
+``metrics.jsonl`` (the ``notes`` list of the row of the step when it failed: what, where and why), left out for
+the rest of the session, and training goes on; ``laconic-nemo train`` checks the folders before it starts
+(:func:`laconic_nemo.plan.preflight.check_dashboard_dirs`).
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ import importlib.util
 import json
 import os
 import secrets
+import struct
+import sys
+import threading
 import time
+import zlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from laconic_nemo.config import ConfigError, to_dict
 from laconic_nemo.runtime.faults import armed, fire
@@ -108,6 +122,7 @@ class TensorBoardSink:
     def __init__(self, log_dir: str | Path, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_threads()
         self.log_dir = Path(log_dir)
         self.writer = SummaryWriter(str(self.log_dir), purge_step=purge_step(resume_step))
 
@@ -125,31 +140,114 @@ class TensorBoardSink:
         self.writer.close()
 
 
-class WandbSteps:
-    """The W&B run of an output dir: its id and the last step sent, in ``<out>/wandb/laconic_run.json`` (written
-    atomically after every step), so a resumed run continues the same run and never sends a step W&B holds."""
+def wandb_dir(out: str | Path) -> Path:
+    """Where the W&B files of a run go: ``<run.output_dir>/wandb`` (the run id's file and the offline runs)."""
+    return Path(out) / "wandb"
 
-    def __init__(self, out: str | Path):
-        self.folder = Path(out) / "wandb"
+
+def _wandb_log_records(data: bytes) -> Iterator[bytes]:
+    """The records of a W&B run file: a 7-byte header, then the leveldb log format (32 KiB blocks; each piece a
+    7-byte header CRC-32 u32, length u16, type u8 FULL 1 / FIRST 2 / MIDDLE 3 / LAST 4, then its bytes). Stops
+    at the first piece that is cut short or fails its CRC-32 (the tail of a file whose writer was killed)."""
+    block, pos, parts = 32768, 7, []
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # a block's zero trailer
+            pos += room
+            continue
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        body = data[pos + 7: pos + 7 + length]
+        if kind == 0 and length == 0:  # the zero-filled rest of a block
+            pos += room
+            continue
+        if len(body) < length or zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
+            return
+        pos += 7 + length
+        parts = [body] if kind in (1, 2) else parts + [body]
+        if kind in (1, 4):
+            yield b"".join(parts)
+            parts = []
+
+
+def wandb_offline_steps(folder: str | Path, run_id: str, key: str | None = None) -> list[int]:
+    """The steps that the offline W&B runs of ``run_id`` under ``folder`` (``offline-run-*-<id>/run-<id>.wandb``)
+    hold on disk: each history record's step (``key``: the value it logged under that name instead, as NeMo's
+    WandbLogger logs ``trainer/global_step``)."""
+    from wandb.proto import wandb_internal_pb2
+
+    steps = []
+    for f in sorted(Path(folder).glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        data = f.read_bytes()
+        if not data.startswith(b":W&B"):
+            continue
+        for payload in _wandb_log_records(data):
+            rec = wandb_internal_pb2.Record()
+            try:
+                rec.ParseFromString(payload)
+            except Exception:  # protobuf's DecodeError: not a record of this wandb version
+                continue
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            if key is None:
+                steps.append(int(rec.history.step.num))
+                continue
+            for item in rec.history.item:
+                if (item.key or "/".join(item.nested_key)) == key:
+                    steps.append(int(float(json.loads(item.value_json))))
+    return steps
+
+
+def _quiet_writer_threads() -> None:
+    """Keep the traceback of TensorBoard's writer thread off the console: the thread keeps the error it dies of
+    (a folder that cannot be written, a full disk) and the writer raises it again in the training process at the
+    next write or flush, where :class:`MetricsWriter` names it once; Python would also print the thread's own
+    copy. Other threads' errors are printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ != "_AsyncWriterThread":  # tensorboard/summary/writer/event_file_writer.py
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
+class WandbSteps:
+    """The W&B run of an output dir: its id, in ``<out>/wandb/laconic_run.json`` (a resumed run continues the same
+    run), and the last step W&B holds, from W&B's own files or server (:meth:`held`), never from what this
+    process handed W&B's service: a step is sent when it is past that step, so none is sent twice and none is
+    lost with a killed process (the next session sends it again).
+
+    key: the name under which the logger records the step (None: W&B's own step, as :class:`WandbSink` logs it;
+    NeMo's WandbLogger: ``trainer/global_step``)."""
+
+    def __init__(self, out: str | Path, key: str | None = None):
+        self.folder = wandb_dir(out)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.file = self.folder / WANDB_STATE
+        self.key = key
         state = json.loads(self.file.read_text()) if self.file.is_file() else {}
         self.run_id = state.get("id") or secrets.token_hex(6)
-        self.last_step = int(state.get("last_step", 0))
-        self.save()
-
-    def save(self) -> None:
+        self.last_step = 0
         tmp = self.file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"id": self.run_id, "last_step": self.last_step}))
+        tmp.write_text(json.dumps({"id": self.run_id}))
         os.replace(tmp, self.file)
 
+    def held(self, starting_step: int = 0) -> int:
+        """The last step W&B holds: the newest step on disk in the run's earlier offline sessions, or the online
+        run's ``starting_step`` - 1 (W&B's server says where the resumed run continues), whichever is later. Also
+        where this session starts counting (:meth:`take`)."""
+        on_disk = wandb_offline_steps(self.folder, self.run_id, self.key)
+        self.last_step = max([int(starting_step) - 1, 0, *on_disk])
+        return self.last_step
+
     def take(self, step: int) -> bool:
-        """True (and the step recorded) when W&B does not hold ``step`` yet: one sent before a crash after the last
-        checkpoint is not sent again."""
+        """True (and the step counted) when W&B does not hold ``step`` yet and this session has not sent it."""
         if step <= self.last_step:
             return False
         self.last_step = step
-        self.save()
         return True
 
 
@@ -164,9 +262,15 @@ class WandbSink:
         self.steps = WandbSteps(out)
         self.run = wandb.init(project=project, name=name, entity=entity, mode=mode, dir=str(out),
                               id=self.steps.run_id, resume="allow", config=config)
+        self.steps.held(int(getattr(self.run, "starting_step", 0) or 0))
 
     def describe(self) -> str:
         return f"W&B run {self.steps.run_id} ({self.run.settings.mode}, files in {self.steps.folder})"
+
+    def catch_up(self, rows: list[dict[str, Any]]) -> list[int]:
+        """Send the rows of ``metrics.jsonl`` (the steps this session resumes after) that W&B does not hold: the
+        steps a killed session handed W&B's service but W&B never wrote out. Returns the steps sent."""
+        return _catch_up(self, self.steps, rows)
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         if self.steps.take(step):
@@ -177,6 +281,23 @@ class WandbSink:
 
         self.run.finish()
         wandb.teardown()  # waits for W&B's service to write out the run (offline: its run file) before returning
+
+
+class FailedSink:
+    """A dashboard that could not be opened: ``describe`` names it, ``error`` says why; :class:`MetricsWriter`
+    names it once and leaves it out."""
+
+    def __init__(self, what: str, error: BaseException):
+        self.what, self.error = what, error
+
+    def describe(self) -> str:
+        return self.what
+
+    def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
+        raise self.error
+
+    def close(self) -> None:
+        pass
 
 
 class LightningLoggerSink:
@@ -197,19 +318,38 @@ class LightningLoggerSink:
         self.logger.log_metrics(dict(scalars), step=step)
         self.logger.save()
 
+    def catch_up(self, rows: list[dict[str, Any]]) -> list[int]:
+        """W&B only: the rows W&B does not hold (as :meth:`WandbSink.catch_up`)."""
+        return [] if self.wandb_steps is None else _catch_up(self, self.wandb_steps, rows)
+
+
+def _catch_up(sink: MetricSink, steps: WandbSteps, rows: list[dict[str, Any]]) -> list[int]:
+    """Log through ``sink`` the ``rows`` past the last step W&B holds (``steps``), in step order; their steps."""
+    todo = [r for r in sorted(rows, key=lambda r: r["step"]) if int(r["step"]) > steps.last_step]
+    for row in todo:
+        sink.log(int(row["step"]), *split_row(row))
+    return [int(r["step"]) for r in todo]
+
     def close(self) -> None:
         self.logger.finalize("success")
 
 
 def build_sinks(cfg, resume_step: int) -> list[MetricSink]:
-    """The dashboards ``cfg.logging`` asks for, opened to continue after step ``resume_step`` (rank 0 only)."""
+    """The dashboards ``cfg.logging`` asks for, opened to continue after step ``resume_step`` (rank 0 only). One
+    that cannot be opened comes back as a :class:`FailedSink` (training goes on without it)."""
     sinks: list[MetricSink] = []
     lg = cfg.logging
     if tensorboard_enabled(lg):
-        sinks.append(TensorBoardSink(tensorboard_dir(cfg), resume_step))
+        try:
+            sinks.append(TensorBoardSink(tensorboard_dir(cfg), resume_step))
+        except Exception as exc:  # noqa: BLE001 - a dashboard never costs the run
+            sinks.append(FailedSink(f"TensorBoard {tensorboard_dir(cfg)}", exc))
     if lg.wandb:
-        sinks.append(WandbSink(cfg.run.output_dir, lg.wandb_project, lg.wandb_name or cfg.run.name, lg.wandb_mode,
-                               lg.wandb_entity, config=to_dict(cfg)))
+        try:
+            sinks.append(WandbSink(cfg.run.output_dir, lg.wandb_project, lg.wandb_name or cfg.run.name,
+                                   lg.wandb_mode, lg.wandb_entity, config=to_dict(cfg)))
+        except Exception as exc:  # noqa: BLE001
+            sinks.append(FailedSink(f"W&B run (files in {wandb_dir(cfg.run.output_dir)})", exc))
     return sinks
 
 
@@ -239,16 +379,22 @@ def nemo_logger_settings(cfg, resume_step: int, rank: int = 0) -> dict[str, Any]
         settings["wandb_logger_kwargs"] = {
             "project": lg.wandb_project, "name": lg.wandb_name or cfg.run.name, "entity": lg.wandb_entity,
             "offline": lg.wandb_mode == "offline", "save_dir": str(out),
-            "id": WandbSteps(out).run_id if rank == 0 else None, "resume": "allow"}
+            "id": WandbSteps(out, key=NEMO_STEP_KEY).run_id if rank == 0 else None, "resume": "allow"}
     return settings
+
+
+NEMO_STEP_KEY = "trainer/global_step"  # where Lightning's WandbLogger records the step it is given
 
 
 def nemo_sinks(loggers, cfg) -> list[MetricSink]:
     """Sinks over the Lightning loggers NeMo's exp_manager attached (``trainer.loggers``)."""
     sinks: list[MetricSink] = []
     for logger in loggers:
-        is_wandb = type(logger).__name__ == "WandbLogger"
-        sinks.append(LightningLoggerSink(logger, WandbSteps(cfg.run.output_dir) if is_wandb else None))
+        steps = None
+        if type(logger).__name__ == "WandbLogger":
+            steps = WandbSteps(cfg.run.output_dir, key=NEMO_STEP_KEY)
+            steps.held()
+        sinks.append(LightningLoggerSink(logger, steps))
     return sinks
 
 
@@ -295,23 +441,58 @@ class MetricsWriter:
         self.is_logger = self.rank == 0
         self.sinks: list[MetricSink] = []
         self.clock = ProgressClock(0, self.num_steps)
+        self.notes: list[str] = []  # run notes not yet in a row of metrics.jsonl
 
     def start(self, resume_step: int, sinks: list[MetricSink] | None = None, checkpoint: Path | None = None):
         """At the start of training (after step ``resume_step`` was restored from ``checkpoint``): ``metrics.jsonl``
         keeps rows 1..resume_step (:meth:`truncate`), the ETA counts from here, ``sinks`` (rank 0) receive every
-        later row."""
-        self.truncate(resume_step, checkpoint)
+        later row; a sink that can catch up (W&B) first receives the kept rows it does not hold."""
+        rows = self.truncate(resume_step, checkpoint)
         self.clock = ProgressClock(resume_step, self.num_steps)
-        if self.is_logger:
-            self.sinks = list(sinks or [])
-            if self.sinks:
-                print("dashboards: " + "; ".join(sink.describe() for sink in self.sinks), flush=True)
-
-    def write(self, m: dict[str, Any]):
-        """Append the step's row to ``metrics.jsonl``, send it to the dashboards and print the progress line
-        (rank 0)."""
         if not self.is_logger:
             return
+        self.sinks = []
+        for sink in sinks or []:
+            if isinstance(sink, FailedSink):
+                self._failed(sink, "could not be opened", sink.error, resume_step + 1)
+            else:
+                self.sinks.append(sink)
+        if self.sinks:
+            print("dashboards: " + "; ".join(sink.describe() for sink in self.sinks), flush=True)
+        for sink in list(self.sinks):
+            if rows and hasattr(sink, "catch_up"):
+                try:
+                    sent = sink.catch_up(rows)
+                except Exception as exc:  # noqa: BLE001 - a dashboard never costs the run
+                    self._failed(sink, "failed re-sending the steps it lacks", exc, resume_step + 1)
+                    continue
+                if sent:
+                    print(f"{sink.describe()}: re-sent step{'s' if len(sent) > 1 else ''} {_span(sent)} from "
+                          f"{self.out / 'metrics.jsonl'} (it did not hold them)", flush=True)
+
+    def _failed(self, sink: MetricSink, what: str, exc: BaseException, step: int) -> None:
+        """Name a dashboard that failed, once (console and the run notes), and leave it out from here on."""
+        note = (f"dashboard {sink.describe()} {what} at step {step}: {type(exc).__name__}: {exc}; training goes on "
+                "without it for the rest of this session")
+        print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)
+        self.notes.append(note)
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+
+    def write(self, m: dict[str, Any]):
+        """Send the step's row to the dashboards, append it to ``metrics.jsonl`` (with the run notes of this step,
+        ``notes``: a dashboard that failed) and print the progress line (rank 0)."""
+        if not self.is_logger:
+            return
+        scalars, texts = split_row(m)
+        for sink in list(self.sinks):
+            try:
+                sink.log(int(m["step"]), scalars, texts)
+            except Exception as exc:  # noqa: BLE001 - a dashboard never costs the run
+                self._failed(sink, "failed writing", exc, int(m["step"]))
+        if self.notes:
+            m = {**m, "notes": self.notes}
+            self.notes = []
         line = json.dumps(m) + "\n"
         with (self.out / "metrics.jsonl").open("a") as f:
             action = armed("metrics_torn", m["step"])
@@ -320,9 +501,6 @@ class MetricsWriter:
                 f.flush()
                 fire(action)
             f.write(line)
-        scalars, texts = split_row(m)
-        for sink in self.sinks:
-            sink.log(int(m["step"]), scalars, texts)
         if m["step"] % self.log_every == 0 or m["step"] == self.num_steps:
             print(
                 f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
@@ -333,9 +511,13 @@ class MetricsWriter:
             )
 
     def close(self):
-        """Flush and close the dashboards (rank 0)."""
+        """Flush and close the dashboards (rank 0); one that fails to is named on the console."""
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - the run's steps are done: say so and go on
+                print(f"laconic-nemo train: dashboard {sink.describe()} failed closing: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
         self.sinks = []
 
     def rank_trace(self, m: dict[str, Any]):
@@ -351,15 +533,16 @@ class MetricsWriter:
         with (folder / f"rank{self.rank:05d}.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def truncate(self, upto_step: int, checkpoint: Path | None = None):
+    def truncate(self, upto_step: int, checkpoint: Path | None = None) -> list[dict]:
         """Keep the rows of the steps the resumed ``checkpoint`` holds; drop a torn last row (a crash while it
         was written); refuse any other corrupt line, naming the file and the line. When the file lacks a row
-        of steps 1..``upto_step`` (removed, or cut short), the rows come back from the checkpoint's copy."""
+        of steps 1..``upto_step`` (removed, or cut short), the rows come back from the checkpoint's copy.
+        Returns the rows kept (rank 0)."""
         from laconic_nemo.grpo.resume import METRICS_COPY, ResumeError, missing_steps, read_metrics
 
         path = self.out / "metrics.jsonl"
         if not self.is_logger or (not path.is_file() and not upto_step):
-            return
+            return []
         rows, torn = read_metrics(path)
         if torn:
             print(f"{path}: dropped a torn last line (the run died while writing it)", flush=True)
@@ -372,10 +555,11 @@ class MetricsWriter:
             rows = read_metrics(copy)[0]
             print(f"{path}: the rows of step{'s' if len(lost) > 1 else ''} {_span(lost)} were missing; restored the "
                   f"rows of steps 1-{upto_step} from {copy}", flush=True)
-        keep = [json.dumps(r) for r in rows if r["step"] <= upto_step]
+        kept = [r for r in rows if r["step"] <= upto_step]
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
+        return kept
 
 
 def _span(steps: list[int]) -> str:

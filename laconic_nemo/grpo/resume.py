@@ -11,6 +11,11 @@ rank, also under torchrun / srun), so both decide alike.
   load it). A damaged one (a file cut short or emptied, as a power cut can leave one on a file system
   that lost unsynced data) is skipped for the newest intact one before it, and the skip is reported.
   Checkpoints written before manifests existed count as intact unless a file of theirs is empty.
+* A complete checkpoint's ``trainer_state.json`` also holds sound values (:func:`state_problem`: the step, the
+  shaper's and every constraint's multipliers, numbers where numbers belong; the constraint state its own config
+  asks for). One that does not (an edit with its manifest updated to match) is skipped like a damaged one, with
+  the file and the key named; with no intact checkpoint before it the resume is refused (ResumeError naming the
+  folder, the file and the key) rather than started over.
 * ``metrics.jsonl`` has one JSON object per line. A last line without its newline that does not
   parse is a row torn by a crash: it is dropped (the step is recomputed after resume). Any other
   line that does not parse is corruption, refused with the file and the 1-based line named.
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from laconic_nemo.config import Config
+from laconic_nemo.core import classes_state_problem, shaper_problem, tail_state_problem
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MANIFEST = "manifest.json"
@@ -94,14 +100,81 @@ def damage(ckpt: str | Path) -> str | None:
     return None
 
 
+def state_problem(ckpt: str | Path) -> str | None:
+    """What is wrong with the values of ``ckpt``'s ``trainer_state.json``, or None: one line naming the file (in its
+    checkpoint folder) and the key (``C/trainer_state.json key constraints.tail.dual.lam = "0.3" is invalid: allowed
+    a finite number``). Checks what a resume reads: the step, the layout, the config, the shaper's state and the
+    constraints' state (:mod:`laconic_nemo.core`'s checks of saved states), without a run to load them into."""
+    ckpt = Path(ckpt)
+    path = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{path} is unreadable ({exc})"
+    problem = _trainer_state_problem(state)
+    if problem is None:
+        return None
+    key, value, allowed = problem
+    shown = "(missing)" if value is _MISSING else json.dumps(value) if _jsonable(value) else repr(value)
+    return f"{path} key {key or '(the whole file)'} = {shown} is invalid: allowed {allowed}"
+
+
+_MISSING = object()
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _trainer_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """(key, value, allowed) of the first bad value of a trainer state, or None."""
+    if not isinstance(state, dict):
+        return "", state, "a JSON object (step, shaper, world_size, dp_size, config, ...)"
+    for key in ("step", "world_size", "dp_size"):
+        v = state.get(key, _MISSING)
+        if key == "step" or v is not _MISSING:  # world_size, dp_size: absent in the oldest checkpoints
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "step" else 1):
+                return key, v, f"an integer >= {0 if key == 'step' else 1}"
+    if not isinstance(state.get("config", {}), dict):
+        return "config", state["config"], "a mapping (the run's resolved config)"
+    problem = shaper_problem(state.get("shaper", _MISSING))
+    if problem is not None:
+        return (f"shaper.{problem[0]}" if problem[0] else "shaper"), problem[1], problem[2]
+    laconic = state.get("config", {}).get("laconic") or {}
+    wants = {"classes": bool(laconic.get("per_prompt_budget")), "tail": laconic.get("tail_budget") is not None}
+    saved = state.get("constraints")
+    if saved is None and not any(wants.values()):
+        return None
+    if not isinstance(saved, dict):
+        return "constraints", saved, ("a mapping {classes, tail} (the checkpoint's config asks for "
+                                      f"{' and '.join(k for k, v in wants.items() if v) or 'none'})")
+    for name, check in (("classes", classes_state_problem), ("tail", tail_state_problem)):
+        part = saved.get(name)
+        if part is None:
+            if wants[name]:
+                return f"constraints.{name}", part, f"the state of the {name} constraint its config asks for"
+            continue
+        problem = check(part)
+        if problem is not None:
+            return f"constraints.{name}" + (f".{problem[0]}" if problem[0] else ""), problem[1], problem[2]
+    return None
+
+
 def choose_checkpoint(root: str | Path, exclude: tuple[Path, ...] = ()) -> tuple[Path | None, list[str]]:
     """(the checkpoint ``resume: auto`` continues from, one line per damaged checkpoint skipped on the way).
 
     ``latest`` when it names a complete, intact checkpoint, else the newest complete and intact one, else
     None. Incomplete ``.tmp`` folders are never chosen; ``exclude``: checkpoints found damaged otherwise
-    (a CRC-32 mismatch seen by a rank)."""
+    (a CRC-32 mismatch seen by a rank). A checkpoint whose files are intact but whose trainer state holds a bad
+    value (:func:`state_problem`) is skipped the same way; when no intact checkpoint is left after such a one,
+    ResumeError names it (starting over would drop the run's steps for a value that can be repaired)."""
     root = Path(root)
     notes: list[str] = []
+    bad_state = None
     candidates = complete_checkpoints(root)
     latest = root / "latest"
     if latest.is_file():
@@ -114,10 +187,18 @@ def choose_checkpoint(root: str | Path, exclude: tuple[Path, ...] = ()) -> tuple
             continue
         why = damage(ckpt)
         if why is None:
+            why = state_problem(ckpt)
+            bad_state = bad_state or (None if why is None else (ckpt, why))
+        if why is None:
             if notes:
                 notes.append(f"resuming from the previous complete checkpoint {ckpt}")
             return ckpt, notes
         notes.append(f"checkpoint {ckpt} is damaged and skipped: {why}")
+    if bad_state is not None:
+        older = [c.name for c in reversed(candidates) if c not in exclude and c != bad_state[0]]
+        raise ResumeError(f"cannot resume: {bad_state[1]}; no intact checkpoint to fall back to"
+                          + (f" ({', '.join(older)} damaged too)" if older else "")
+                          + ": repair the value, or move the checkpoint folders aside to start over")
     if notes:
         notes.append("no intact checkpoint is left: the run starts from step 1")
     return None, notes
@@ -251,7 +332,7 @@ def resume_source(cfg: Config, notes: list[str] | None = None) -> Path | None:
     if not (p / "trainer_state.json").is_file() or p.name.endswith(".tmp"):
         raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: allowed auto, never or a complete checkpoint "
                           "folder (step_NNNNNN holding trainer_state.json)")
-    why = damage(p)
+    why = damage(p) or state_problem(p)
     if why is not None:
         raise ConfigError(f"checkpoint.resume = {mode!r} is invalid: the checkpoint is damaged ({why}); name an "
                           "intact one, or auto")

@@ -28,8 +28,8 @@ import math
 import signal
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -64,6 +64,13 @@ from laconic_nemo.grpo.checkpoint import (
     dist_ready,
     find_resume_checkpoint,
 )
+from laconic_nemo.grpo.constraints import (
+    budget_classes,
+    restore_constraints,
+    resume_strict,
+    run_budgets,
+    tail_constraint,
+)
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -79,6 +86,8 @@ from laconic_nemo.runtime.faults import fault_point, heartbeat
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
 
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
+# Parts of a phase, logged beside the phases as time/<phase>/<part> (the phases alone add up to the step):
+# time/logprobs/old, time/logprobs/reference (grpo.kl_beta > 0), time/policy_update/<k> (optimiser step k, from 1).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
@@ -127,6 +136,16 @@ class Timer:
     seconds: dict[str, float]
     step: int = 0  # 1-based step being timed (heartbeats and fault points name it)
     step_s: float | None = None  # the longest step of this process so far (the launcher's watchdog scales with it)
+    parts: dict[str, float] = field(default_factory=dict)  # "<phase>/<part>" -> seconds, inside the phases
+
+    @contextmanager
+    def part(self, name: str):
+        """Seconds of a part of the running phase, kept under ``name`` in :attr:`parts` (no heartbeat)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
 
     @contextmanager
     def __call__(self, phase: str):
@@ -205,26 +224,18 @@ class GRPOTrainer:
             if not self.marker_ids:
                 raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
         self.prompt_budgets = None
-        self.classes = None
+        self.classes: BudgetClasses | None = None
         if lc.per_prompt_budget:
             stated = d.stated_budgets()
             if stated is None:
                 if budgets is None:
-                    from laconic_nemo.data.datasets import prompt_budgets
-
-                    budgets = prompt_budgets(list(d.train_files), str(d.budget_key), d.budget_missing, lc.budget,
-                                             self.cfg.rollout.max_new_tokens)
+                    budgets = run_budgets(self.cfg)
                 if len(budgets) != len(self.prompts):
                     raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
                 self.prompt_budgets = [float(b) for b in budgets]
                 stated = self.prompt_budgets
-            self.classes = BudgetClasses(stated, lc.budget_classes, eta=lc.eta, floor=lc.floor,
-                                         lambda_init=lc.lambda_init, ceiling=lc.ceiling,
-                                         max_length=self.cfg.rollout.max_new_tokens, controller=lc.controller,
-                                         kp=lc.kp, kd=lc.kd)
-        self.tail = None
-        if lc.tail_budget is not None:
-            self.tail = TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+            self.classes = budget_classes(self.cfg, stated)
+        self.tail: TailConstraint | None = tail_constraint(self.cfg)
         # the per-class report (budget_class/<name>/...): the run's budget classes, or, for a shaper without
         # multipliers (the L1 baselines), one class per stated target of a set (data.target_lengths)
         self.report_classes = self.classes
@@ -358,12 +369,15 @@ class GRPOTrainer:
         with timer("logprobs"):
             # at the sampling temperature, like the policy log-probs of the loss (grpo/loss.py)
             temp = self.cfg.rollout.temperature
-            batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
+            with timer.part("logprobs/old"):
+                batch.old_logprobs = self.actor.logprobs(batch, temperature=temp) * batch.response_mask
             if g.kl_beta > 0:
-                batch.ref_logprobs = self.actor.logprobs(batch, reference=True, temperature=temp) * batch.response_mask
+                with timer.part("logprobs/reference"):
+                    batch.ref_logprobs = (self.actor.logprobs(batch, reference=True, temperature=temp)
+                                          * batch.response_mask)
 
         with timer("policy_update"):
-            update_metrics = self._policy_update(batch)
+            update_metrics = self._policy_update(batch, timer)
 
         with timer("dual_step"):
             # Exact global mean length: integer sums over DP, then one float division (same on every rank).
@@ -391,6 +405,8 @@ class GRPOTrainer:
         metrics["step_seconds"] = time.perf_counter() - t_start
         for phase in PHASES:
             metrics[f"time/{phase}"] = timer.seconds.get(phase, 0.0)
+        for part, seconds in timer.parts.items():
+            metrics[f"time/{part}"] = seconds
         if self.is_logger:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
@@ -435,10 +451,10 @@ class GRPOTrainer:
             out["laconic/reasoning_closed_share"] = closed / n
         return out
 
-    def _policy_update(self, batch: TrainBatch) -> dict[str, float]:
+    def _policy_update(self, batch: TrainBatch, timer: Timer | None = None) -> dict[str, float]:
         """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
         the recipe's ``grpo:`` settings at the rollout temperature and the minibatch's global token / sequence
-        counts. Returns the mean metrics."""
+        counts (each timed as ``policy_update/<k>`` on ``timer``). Returns the mean metrics."""
         g = self.cfg.grpo
         n_local = len(batch)
         sums: dict[str, float] = {}
@@ -449,7 +465,8 @@ class GRPOTrainer:
             loss_fn = make_grpo_loss_fn(g.clip_eps, g.clip_eps_high, g.kl_beta, g.loss_aggregation,
                                         global_num_tokens=max(float(counts[0]), 1.0), global_num_seqs=float(counts[1]),
                                         clip_dual=g.clip_dual, temperature=self.cfg.rollout.temperature)
-            out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
+            with (timer.part(f"policy_update/{n_updates + 1}") if timer is not None else nullcontext()):
+                out = self.actor.train_step(mb, loss_fn, g.micro_batch_size)
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n_updates += 1
@@ -496,28 +513,28 @@ class GRPOTrainer:
         return find_resume_checkpoint(self.cfg, notes)
 
     def load_checkpoint(self, path: Path) -> int:
-        from laconic_nemo.grpo.resume import check_resume_config, read_trainer_state
+        """Restore the checkpoint ``path`` (its values already checked, :func:`~laconic_nemo.grpo.resume.choose_checkpoint`)
+        into this rank: the multipliers first (lambda; each budget class by its key and the tail constraint by its
+        settings, :func:`~laconic_nemo.grpo.constraints.restore_constraints`), then the model shard and RNG state.
+        Returns the checkpoint's step. ResumeError (one line naming the checkpoint) where it cannot be resumed."""
+        from laconic_nemo.grpo.resume import ResumeError, check_resume_config, read_trainer_state
 
         state = read_trainer_state(path)
         if state["dp_size"] != self.actor.dp_size or state["world_size"] != self.world:
-            raise ValueError(
+            raise ResumeError(
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
-        allowed = check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
-                                      list(self.cfg.checkpoint.resume_allow_changes or []),
-                                      defaults())
-        # a LACONIC key allowed to change: the shaper keeps this run's settings (lambda clipped into them)
-        strict = not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in allowed)
+        check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
+                            list(self.cfg.checkpoint.resume_allow_changes or []), defaults())
+        # a LACONIC key allowed to change: the controllers keep this run's settings (multipliers clipped into them)
+        strict = resume_strict(state, self.cfg)
+        try:
+            load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
+        except ValueError as exc:
+            raise ResumeError(f"cannot resume from {path}: {exc}") from None
+        restore_constraints(path, state, self.classes, self.tail, self.cfg, strict=strict)
         self.checkpoints.load(path, self.actor)
-        load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
-        saved = state.get("constraints") or {}
-        for name, mine in (("classes", self.classes), ("tail", self.tail)):
-            if mine is None:
-                continue
-            if saved.get(name) is None:
-                raise ValueError(f"checkpoint {path} holds no state of the {name} constraint this run has")
-            mine.load_state_dict(saved[name], strict=strict)
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop

@@ -91,11 +91,15 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
     if plan.kv_cache:
         lines.append(f"KV cache         {plan.kv_cache} per GPU, allocated once (rollout.kv_cache_rows, "
                      "max_prompt_length + max_new_tokens)")
+    if plan.decode_graphs:
+        lines.append(f"decode graphs    {plan.decode_graphs}")
     if plan.tokenizer:
         lines.append(f"tokenizer        {plan.tokenizer}" + (f"; end strings {plan.end_strings}" if plan.end_strings
                                                               else ""))
     if plan.training_memory:
         lines.append(f"train memory     {plan.training_memory}")
+    if plan.packed_attention:
+        lines.append(f"packed attention {plan.packed_attention}")
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]

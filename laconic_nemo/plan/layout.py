@@ -50,7 +50,11 @@ class Plan:
     rollout_engine: str = "megatron"      # rollout.engine
     kv_cache: str | None = None           # the decode engine's KV cache per GPU (shape, dtype, GiB); None: not ours
     kv_cache_bytes: int | None = None
+    decode_graphs: str | None = None      # the decode engine's bound on CUDA-graph captures (rollout/schedule.py)
+    decode_graphs_per_pass: int | None = None
+    decode_graphs_in_all: int | None = None
     training_memory: str | None = None    # megatron-core actor: activations per micro-batch, the recompute that fits
+    packed_attention: str | None = None   # megatron-core actor, packed micro-batches: the GPU kernel in this environment
 
 
 ROLLOUT_ENGINES = {
@@ -127,7 +131,9 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
     mini, mbs = int(g.minibatch_size), int(g.micro_batch_size)
 
     m = cfg.model
-    hf = hf_config(hf_model if m.source == "nemo" else m.path)
+    hf = hf_config(hf_model if m.source == "nemo" else (m.shape_from if m.source == "synthetic" else m.path))
+    if m.shape_from and check_paths and hf is None:
+        _fail("model.shape_from", m.shape_from, "a Hugging Face config.json (or its folder) that exists")
     heads = int(hf["num_attention_heads"]) if hf else int(m.num_attention_heads)
     layers = int(hf["num_hidden_layers"]) if hf else int(m.num_layers)
     kv_heads = int(hf.get("num_key_value_heads", heads)) if hf else m.num_query_groups
@@ -153,10 +159,11 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
               "model.source = nemo")
     if m.source != "nemo" and engine == "nemo":
         _fail("rollout.engine", engine, "megatron or vllm unless model.source = nemo")
-    kv_desc = kv_bytes = None
+    kv_desc = kv_bytes = graphs = graphs_pass = graphs_all = None
     if engine == "megatron":
         kv = kv_cache_shape(cfg, layers // pp, (kv_heads or heads) // tp, head_dim, rollout // dp, max_pos)
         kv_desc, kv_bytes = kv.describe(), kv.nbytes
+        graphs, graphs_pass, graphs_all = decode_graph_bound(cfg, kv.rows, kv.positions)
         if cluster:
             from laconic_nemo.rollout.kv_cache import KVCacheTooLarge, check_fits
 
@@ -227,8 +234,37 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         budget=cfg.laconic.budget, max_generated_tokens_per_step=rollout * lmax,
         budget_tokens_per_step=int(round(rollout * cfg.laconic.budget)), num_steps=cfg.run.num_steps,
         conversion_needed=conversion, warnings=warnings, rollout_engine=engine, kv_cache=kv_desc,
-        kv_cache_bytes=kv_bytes, training_memory=memory,
+        kv_cache_bytes=kv_bytes, decode_graphs=graphs, decode_graphs_per_pass=graphs_pass,
+        decode_graphs_in_all=graphs_all, training_memory=memory,
+        packed_attention=packed_kernel_line(cfg) if actor == "megatron_core" and g.micro_batch_tokens else None,
     )
+
+
+def packed_kernel_line(cfg: Config) -> str:
+    """The kernel packed micro-batches run on an sm80+ GPU with this environment's packages, for the recipe's
+    ``model.attention`` and precision (:func:`laconic_nemo.runtime.kernels.describe_packed_attention`)."""
+    import torch
+
+    from laconic_nemo.runtime.kernels import describe_packed_attention
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(str(cfg.model.precision), torch.bfloat16)
+    return describe_packed_attention(str(cfg.model.attention), dtype)
+
+
+def decode_graph_bound(cfg: Config, rows: int, positions: int) -> tuple[str, int, int]:
+    """The decode engine's CUDA graphs for a cache of ``rows`` x ``positions``: a description and the most captured
+    in one rollout pass and in all (one per batch bucket and KV length; :mod:`laconic_nemo.rollout.schedule`). The
+    step is fused by hand: nothing is compiled."""
+    from laconic_nemo.rollout.schedule import buckets_up_to, captures_in_all, captures_per_pass
+
+    r = cfg.rollout
+    buckets, block = list(r.batch_buckets), int(r.kv_block)
+    per_pass = captures_per_pass(rows, positions, buckets, block)
+    in_all = captures_in_all(rows, positions, buckets, block)
+    n_buckets, n_kv = len(buckets_up_to(rows, buckets)), -(-positions // block)
+    desc = (f"<= {per_pass} captures per rollout pass ({n_buckets} batch buckets <= {rows} rows + {n_kv} KV lengths "
+            f"- 1), <= {in_all} kept (rollout.batch_buckets, kv_block); no torch.compile (0 compilations)")
+    return desc, per_pass, in_all
 
 
 def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, head_dim: int,
@@ -265,7 +301,7 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batche
     shape = memory.LayerShape(
         hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
         ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
-        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic")
+        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic" or bool(hf))
     lmax = int(cfg.rollout.max_new_tokens)
     if g.micro_batch_tokens:
         tokens, seq, what = max(int(g.micro_batch_tokens), lmax), lmax, f"packs of {int(g.micro_batch_tokens)} tokens"

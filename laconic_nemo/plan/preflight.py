@@ -20,10 +20,15 @@ before torch.distributed starts), which adds what only a training run on this ma
 * ``checkpoint.resume = never`` in a folder that already holds a run is refused (it would mix two
   runs' metrics and checkpoints);
 * ``checkpoint.resume = <path>`` names a complete, intact checkpoint;
-* when a checkpoint will be resumed: damaged checkpoints are skipped for the previous intact one (a
-  line says so), its ``trainer_state.json`` is readable, it was written with the same world size and
+* the dashboard folders (``logging.tensorboard_dir`` or ``<output_dir>/tensorboard`` when TensorBoard is on,
+  ``<output_dir>/wandb`` with W&B) are folders this process can write in, or can be created;
+* when a checkpoint will be resumed: damaged checkpoints, and those whose ``trainer_state.json`` holds a bad
+  value, are skipped for the previous intact one (a line says so, naming the file and the key), it was
+  written with the same world size and
   layout (TP, PP and DP cannot change: the model shards are split for them), this run's resolved config
-  equals the checkpoint's except for the keys allowed (:mod:`laconic_nemo.grpo.resume`),
+  equals the checkpoint's except for the keys allowed (:mod:`laconic_nemo.grpo.resume`), its budget classes
+  and tail constraint are this run's, key for key, or ``checkpoint.resume_allow_changes`` says how to carry
+  them over (:mod:`laconic_nemo.grpo.constraints`),
   ``metrics.jsonl`` is intact (a torn last line is allowed; the trainer drops it) and holds the rows of
   the checkpoint's steps, or the checkpoint holds a copy to restore them from.
 
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from laconic_nemo.config import Config, ConfigError, defaults, to_dict
+from laconic_nemo.grpo.constraints import check_constraints_resume
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
@@ -141,6 +147,20 @@ def check_writable_dir(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key} = {str(path)!r} is invalid: cannot write in {probe} ({exc.strerror})") from exc
 
 
+def check_dashboard_dirs(cfg: Config) -> None:
+    """Each dashboard folder the run writes (TensorBoard's event folder, the W&B folder) is a folder this process
+    can write in, or can be created; the message names the key (or the default it stands for) and the folder."""
+    from laconic_nemo.grpo.metrics import tensorboard_dir, tensorboard_enabled, wandb_dir
+
+    if tensorboard_enabled(cfg.logging):
+        key = "logging.tensorboard_dir" if cfg.logging.tensorboard_dir else \
+            "logging.tensorboard (its folder, ${run.output_dir}/tensorboard; set logging.tensorboard_dir or false)"
+        check_writable_dir(tensorboard_dir(cfg), key)
+    if cfg.logging.wandb:
+        check_writable_dir(wandb_dir(cfg.run.output_dir),
+                           "logging.wandb (its folder, ${run.output_dir}/wandb; or logging.wandb=false)")
+
+
 def output_names(cfg: Config) -> dict[str, str]:
     """What the run writes under ``run.output_dir``: name -> "file" or "folder"."""
     names = {"metrics.jsonl": "file", "config.yaml": "file", "run.lock": "file", "checkpoints": "folder",
@@ -172,9 +192,9 @@ def check_output_names(cfg: Config) -> None:
 def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -> Path | None:
     """Resume checks (see the module docstring). Returns the checkpoint to resume from, or None.
     ``notes`` receives a line per damaged checkpoint skipped."""
-    ckpt = resume_source(cfg, notes)
     metrics = Path(str(cfg.run.output_dir)) / "metrics.jsonl"
     try:
+        ckpt = resume_source(cfg, notes)
         rows, _ = read_metrics(metrics)
         if ckpt is None:
             return None
@@ -195,6 +215,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
         check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
                             list(cfg.checkpoint.resume_allow_changes or []),
                             defaults())
+        check_constraints_resume(ckpt, state, cfg)  # each class by its key, the tail by its settings
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "
@@ -208,7 +229,7 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
 def preflight_train(cfg: Config, world_size: int, local_world_size: int | None = None) -> Path | None:
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
-    from laconic_nemo.grpo.metrics import check_sinks, tensorboard_available
+    from laconic_nemo.grpo.metrics import check_sinks
 
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
@@ -219,9 +240,7 @@ def preflight_train(cfg: Config, world_size: int, local_world_size: int | None =
     if cfg.warmup.num_steps > 0 and cfg.warmup.cache_dir:
         check_writable_dir(cfg.warmup.cache_dir, "warmup.cache_dir")
     check_sinks(cfg)  # a dashboard the recipe asks for, without its package
-    if cfg.logging.tensorboard_dir and (cfg.logging.tensorboard or
-                                        (cfg.logging.tensorboard is None and tensorboard_available())):
-        check_writable_dir(cfg.logging.tensorboard_dir, "logging.tensorboard_dir")
+    check_dashboard_dirs(cfg)
     notes: list[str] = []
     try:
         return check_resume(cfg, world_size, notes)

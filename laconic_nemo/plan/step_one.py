@@ -106,7 +106,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
     """Build the constraints beyond the mean as the trainer does (core/constraints.py) and describe each with its
     multipliers; raise ValueError naming the key on a bad one: a marker the tokenizer cannot encode (the synthetic
     task's character tokenizer, or ``tokenizer`` when loaded), a budget class without a budget."""
-    from laconic_nemo.core import BudgetClasses, TailConstraint
+    from laconic_nemo.grpo.constraints import budget_classes, tail_constraint
 
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     lines = []
@@ -157,17 +157,15 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
             lines.append(f"per-prompt budgets from {source} (data files not here: classes built at start)")
         else:
             try:
-                classes = BudgetClasses(budgets, lc.budget_classes, eta=lc.eta, floor=lc.floor,
-                                        lambda_init=lc.lambda_init, ceiling=lc.ceiling, max_length=lmax,
-                                        controller=lc.controller, kp=lc.kp, kd=lc.kd)
+                classes = budget_classes(cfg, budgets)
             except ValueError as exc:
                 raise ValueError(f"laconic.budget_classes: {exc}") from None
             desc = ", ".join(f"{n} (lambda_init {dl.value:g}, Lambda {dl.ceiling:g})"
                              for n, dl in zip(classes.names, classes.duals))
             lines.append(f"per-prompt budgets from {source}: {len(classes)} classes, one multiplier each, eta "
                          f"{lc.eta:g}: {desc}")
-    if lc.tail_budget is not None:
-        t = TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+    t = tail_constraint(cfg)
+    if t is not None:
         lines.append(f"tail: share of L > B_tail = {t.tail_budget:g} at most q = {t.share:g}; mu_init {t.value:g}, "
                      f"eta {lc.tail_eta:g}, ceiling {t.dual.ceiling:g}")
     return lines

@@ -25,6 +25,15 @@ all-reduced with megatron's ``reduce_from_tensor_model_parallel_region``: ``Voca
 (``tensor_parallel/layers.py:247-263``) masks with boolean indexing, which synchronises with the host and
 cannot be captured; the result is the same (the shard rows of out-of-range tokens are zero before the sum).
 
+That is the prefill's path, and the decode step's where the fused step cannot serve the model. The decode step
+itself runs FUSED (:mod:`laconic_nemo.rollout.fused`, ``EngineSettings.fused``): the same modules' weights and
+megatron's TP mappings, with linear_qkv's bias inside its GEMM, RoPE applied once to the layer's q | k | v heads
+with cos / sin gathered once per step, keys and values written in one ``index_put_``, the attention mask built once
+per step and the residual adds folded into the output GEMMs: 13 kernels per layer on a GPU by count (with torch's
+one-kernel ``rms_norm``) where the module calls launch about 31 (measured, 64 rows). Models it cannot serve
+(``fused.unsupported``: fp32 residuals, token types, non-megatron layer modules) decode through the modules;
+``engine.fused`` says which.
+
 The loop
 --------
 1. Prefill: the prompts of a pass are de-duplicated (GRPO repeats each prompt G times), right-padded and run
@@ -38,9 +47,12 @@ The loop
    settings) on GPU; the same function eagerly on CPU).
 3. Every ``rollout.sync_every`` steps the host reads the finished flags (its only synchronisation in the
    ``device`` sampler): when every row is done the pass ends; when the live rows fit a smaller bucket of
-   ``rollout.batch_buckets`` they are moved down (state and KV rows, in place) and the steps run at that
-   bucket. Attention reads ``[0, kv)`` of the cache, kv the longest live row's reach in the next window
-   rounded up to ``rollout.kv_block``.
+   ``rollout.batch_buckets`` (8, then multiples of 16: 48 rows run as 48) they are moved down (state and KV rows,
+   in place) and the steps run at that bucket. Attention reads ``[0, kv)`` of the cache, kv the longest live row's
+   reach in the next window rounded up to ``rollout.kv_block``, never less than the pass's previous kv. The
+   schedule is :class:`~laconic_nemo.rollout.schedule.WindowPlan`: a pass captures at most
+   ``buckets visited + KV lengths - 1`` graphs (``laconic-nemo plan`` prints the bound; ``stats.captures`` and
+   ``stats.capture_s`` what a call captured).
 
 Sampling is today's, reused from :mod:`laconic_nemo.rollout.megatron_sampler`: ``device`` draws with
 :func:`counter_uniforms` + :func:`draw_on_device` (uniform of token t of sample i a hash of (seed, stream, i,
@@ -68,17 +80,18 @@ import torch
 import torch.nn.functional as F
 
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
-from laconic_nemo.rollout.graphs import GraphRunner, bucket_for, kv_length
+from laconic_nemo.rollout.graphs import GraphRunner
 from laconic_nemo.rollout.kv_cache import KVCacheShape, StaticKVCache, check_fits, device_memory_bytes
 from laconic_nemo.rollout.megatron_sampler import (
     check_sampling,
     sample_seed,
 )
+from laconic_nemo.rollout.schedule import WindowPlan, fine_buckets
 from laconic_nemo.rollout.slots import Sig, Slots, SlotsMixin
 from laconic_nemo.rollout.stage import StageMixin
 
 ENGINE_SAMPLERS = ("exact", "device")
-DEFAULT_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+DEFAULT_BUCKETS = fine_buckets()  # 8, 16, 32, 48, ..., 512
 
 
 @dataclass
@@ -100,6 +113,7 @@ class EngineSettings:
     max_new_tokens: int = 4096
     kv_cache_memory_fraction: float = 0.3
     rehearse_graphs: bool = False  # tests: run the capture's warm-up / restore sequence on CPU too
+    fused: bool = True  # the fused decode step (rollout/fused.py); False: the model's modules (tests, benchmark)
 
     def check(self) -> None:
         """Raise ValueError naming the ``rollout.*`` key of a bad value."""
@@ -211,6 +225,9 @@ class EngineStats:
     compactions: int = 0
     windows: list = field(default_factory=list)  # (bucket, kv length, steps) per window of sync_every steps
     graphs: int = 0                   # captured graphs (CUDA) after the call
+    captures: int = 0                 # graphs captured (CUDA) or rehearsed (CPU) during the call
+    capture_s: float = 0.0            # their warm-ups and captures, seconds
+    step_ops: list = field(default_factory=list)  # opcount.OpCount per decode step, when count_ops is set
 
 
 class DecodeEngine(StageMixin, SlotsMixin):
@@ -233,7 +250,7 @@ class DecodeEngine(StageMixin, SlotsMixin):
         self.runner = GraphRunner(self.device, enabled=self.settings.cuda_graphs, rehearse=self.settings.rehearse_graphs)
         self._weights: tuple | None = None
         self.stats = EngineStats()
-
+        self.count_ops = False  # count each decode step's operators (eager runs: CPU, or cuda_graphs off)
 
     # ------------------------------------------------------------------ the cache
     def cache_shape(self, rows: int, positions: int) -> KVCacheShape:
@@ -260,18 +277,27 @@ class DecodeEngine(StageMixin, SlotsMixin):
         self.cache = StaticKVCache(shape, self.device)
         self.slots = Slots(rows, positions, self.vocab_size, self.hidden, self.hidden_dtype, self.device, self.last)
         if self.rope:
-            # the model's table [positions, 1, 1, rotary dim] of float32 angles
-            freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
-            self._rope_cos, self._rope_sin = torch.cos(freqs), torch.sin(freqs)
+            self._set_rope(positions)
 
     def free(self) -> None:
         """Release the cache, the buffers and the captured graphs (the next call allocates again)."""
         self.runner.reset()
-        self.cache = self.slots = self._rope_cos = self._rope_sin = None
+        self.cache = self.slots = self._rope_cos = self._rope_sin = self._rope_tab = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _decode_step(self, b: int, kv: int, sig: Sig, gens, slot_ids) -> None:
+        """One decode step of slots [0, b) (its operators counted into ``stats.step_ops`` when ``count_ops``)."""
+        if not self.count_ops:
+            self._step(b, kv, sig, gens, slot_ids)
+            return
+        from laconic_nemo.rollout.opcount import count_ops
+
+        with count_ops() as counter:
+            self._step(b, kv, sig, gens, slot_ids)
+        self.stats.step_ops.append(counter.count)
+
+    def _step(self, b: int, kv: int, sig: Sig, gens, slot_ids) -> None:
         s = self.slots
         if sig.sampler == "device" and self.pp == 1:
             def step():
@@ -338,6 +364,7 @@ class DecodeEngine(StageMixin, SlotsMixin):
         B = len(prompts)
         rows = B if st.kv_cache_rows is None else min(B, st.kv_cache_rows)
         self.stats = EngineStats()
+        captures, capture_s = self.runner.captures, self.runner.capture_seconds
         with inference_context(self.model):
             self._ensure_cache(rows, need_pos)
             if self._weights_moved():
@@ -345,6 +372,8 @@ class DecodeEngine(StageMixin, SlotsMixin):
             R = self.slots.R
             outs = [self._run_pass(prompts[a : a + R], a, sampling, sig, stream) for a in range(0, B, R)]
         self.stats.graphs = self.runner.num_graphs
+        self.stats.captures = self.runner.captures - captures
+        self.stats.capture_s = self.runner.capture_seconds - capture_s
         if len(outs) == 1:
             return outs[0]
         width = max(o.tokens.shape[1] for o in outs)
@@ -362,7 +391,9 @@ class DecodeEngine(StageMixin, SlotsMixin):
         L, pad, dev = sig.max_new, sig.pad, self.device
         self.stats.passes += 1
         P = [len(p) for p in prompts]
-        b = bucket_for(n, st.batch_buckets, s.R)
+        plan = WindowPlan(P, s.R, self.cache.shape.positions, L, st.batch_buckets, st.kv_block, st.sync_every,
+                          st.compact)
+        b = plan.b
         seeds = [sample_seed(sampling.seed, stream, first + i) for i in range(n)]
         gens = ([torch.Generator().manual_seed(x) for x in seeds]
                 if sig.sampler == "exact" and self.last and self.tp_rank == 0 else [])
@@ -378,7 +409,6 @@ class DecodeEngine(StageMixin, SlotsMixin):
         for i, p in enumerate(prompts):
             head[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         s.out_tokens[:n].copy_(head.to(dev))
-        slot_ids = list(range(n)) + [-1] * (b - n)
 
         # prefill, first token
         logits = self._prefill(prompts, b, pad)
@@ -389,24 +419,24 @@ class DecodeEngine(StageMixin, SlotsMixin):
         else:
             if self.last:
                 s.logits[:b].copy_(logits)
-            self._sample_exact(b, sig, gens, slot_ids)
+            self._sample_exact(b, sig, gens, plan.slot_ids)
         self._pp_broadcast(b, sig)
         self._advance(b, sig)
 
-        t = 0  # decode steps done; every live row has generated t + 1 tokens
         finished = L == 1 or bool(s.done[:b].all())
-        while not finished and t < L - 1:
-            window = min(st.sync_every, L - 1 - t)
-            reach = max(P[slot_ids[j]] for j in range(b) if slot_ids[j] >= 0) + t + window
-            kv = kv_length(reach, st.kv_block, self.cache.shape.positions)
+        while not finished:
+            window = plan.window()
+            if window is None:
+                break
+            b, kv, todo = window
             steps = 0
-            for _ in range(window):
-                self._decode_step(b, kv, sig, gens, slot_ids)
-                t += 1
+            for _ in range(todo):
+                self._decode_step(b, kv, sig, gens, plan.slot_ids)
                 steps += 1
                 if sig.sampler == "exact" and bool(s.done[:b].all()):  # the host knows every step here
                     finished = True
                     break
+            plan.ran(steps)
             self.stats.decode_steps += steps
             self.stats.windows.append((b, kv, steps))
             if finished:
@@ -416,13 +446,10 @@ class DecodeEngine(StageMixin, SlotsMixin):
             alive = torch.nonzero(~done).flatten().tolist()
             if not alive:
                 break
-            if st.compact:
-                nb = bucket_for(len(alive), st.batch_buckets, s.R)
-                if nb < b:
-                    upto = max(P[slot_ids[j]] for j in alive) + t + 1
-                    self._compact(alive, b, nb, min(upto, self.cache.shape.positions), pad)
-                    slot_ids = [slot_ids[j] for j in alive] + [-1] * (nb - len(alive))
-                    b = nb
+            move = plan.sync(alive)
+            if move is not None:
+                self._compact(move.alive, move.old, move.new, move.upto, pad)
+                b = move.new
 
         s.retire(b)
         # copies: on a CPU device .cpu() would return views of the static buffers the next call overwrites

@@ -22,6 +22,7 @@ warm-up / restore sequence on CPU too (tests use it: everything but the capture 
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -55,6 +56,8 @@ class GraphRunner:
         self.graphs: dict[Hashable, object] = {}
         self.rehearsed: set[Hashable] = set()
         self._pool = None
+        self.captures = 0          # graphs captured (or rehearsed) since the runner was made
+        self.capture_seconds = 0.0  # wall time of their warm-ups and captures (device synchronised)
 
     def reset(self) -> None:
         """Forget every captured graph (the buffers or the weights they read moved)."""
@@ -86,12 +89,17 @@ class GraphRunner:
         restored after warm-up iterations."""
         if not self.capture:
             if self.rehearse and key not in self.rehearsed:
+                t0 = time.perf_counter()
                 self._warm(fn, state)
                 self.rehearsed.add(key)
+                self.captures += 1
+                self.capture_seconds += time.perf_counter() - t0
             fn()
             return
         graph = self.graphs.get(key)
         if graph is None:
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -103,4 +111,7 @@ class GraphRunner:
             if self._pool is None:
                 self._pool = graph.pool()
             self.graphs[key] = graph
+            torch.cuda.synchronize(self.device)
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
         graph.replay()

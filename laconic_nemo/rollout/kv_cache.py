@@ -4,7 +4,8 @@ Layout: one tensor ``[layers, 2, rows, positions, groups, head_dim]`` (``2``: ke
 layers of this rank's pipeline stage; ``groups``: this rank's key-value heads, ``num_query_groups / TP``) in
 the model's dtype, zero-filled once (masked positions are multiplied by an attention weight of exactly 0,
 which must not meet a NaN of uninitialised memory). A decode step writes its keys and values at
-``(row, position)`` pairs with ``index_put_`` (no ``torch.cat``, no allocation); attention reads
+``(row, position)`` pairs with one ``index_put_`` for keys and values together (no ``torch.cat``, no
+allocation); attention reads
 ``[:rows_in_bucket, :kv_length]`` views of it. Finished rows are dropped by moving the live rows down
 (:meth:`StaticKVCache.move_rows`), in place.
 
@@ -106,6 +107,11 @@ class StaticKVCache:
         (rows, pos: long ``[n]`` on the cache's device). In place; no host synchronisation."""
         self.data[layer, 0].index_put_((rows, pos), k)
         self.data[layer, 1].index_put_((rows, pos), v)
+
+    def write_kv(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """Keys and values ``kv`` [2, n, groups, head_dim] (any strides) of one token per row, row ``rows[i]`` at
+        position ``pos[i]``: one ``index_put_`` for both (the fused decode step)."""
+        torch.ops.aten.index_put_(self.data[layer], [None, rows, pos], kv)
 
     def write_prefix(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys / values ``[n, s, groups, head_dim]`` of positions ``[0, s)`` of rows ``rows`` (long ``[n]``)."""

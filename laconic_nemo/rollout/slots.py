@@ -29,6 +29,12 @@ class Sig:
     logprobs: bool
 
 
+def stop_hit(tokens: torch.Tensor, sig: Sig) -> torch.Tensor:
+    """Bool [b]: which of the tokens [b] just sampled end their row (counted in ``response_lengths``, flagged in
+    ``hit_eos``): the EOS id."""
+    return tokens == sig.eos
+
+
 class Slots:
     """Static per-row buffers of the decode loop: capacity ``R`` rows, ``S`` positions, ``V`` vocabulary."""
 
@@ -109,21 +115,22 @@ class SlotsMixin:
             self._tp_broadcast(b, sig)
 
     def _advance(self, b: int, sig: Sig) -> None:
-        """Take the sampled tokens of slots [0, b): write them after each row's position, count them, flag EOS
-        and the length limit, move each live row to its new token. Finished rows are fed ``pad``."""
+        """Take the sampled tokens of slots [0, b): write them after each row's position, count them, flag a stop
+        token (:func:`stop_hit`) and the length limit, move each live row to its new token. Finished rows are fed
+        ``pad``."""
         s = self.slots
         active = ~s.done[:b]
-        nxt = torch.where(active, s.sampled[:b], torch.full_like(s.sampled[:b], sig.pad))
+        step = active.long()
+        nxt = torch.where(active, s.sampled[:b], sig.pad)
         pos, ids = s.pos[:b], s.sample_id[:b]
         s.out_tokens.index_put_((ids, pos + 1), nxt)
         if sig.logprobs:
-            s.out_lp.index_put_((ids, pos), torch.where(active, s.sampled_lp[:b], torch.zeros_like(s.sampled_lp[:b])))
-        gen = s.generated[:b] + active.long()
-        s.generated[:b].copy_(gen)
-        new_eos = active & (nxt == sig.eos)
+            s.out_lp.index_put_((ids, pos), torch.where(active, s.sampled_lp[:b], 0.0))
+        gen = s.generated[:b].add_(step)
+        new_eos = active & stop_hit(nxt, sig)
         s.hit_eos[:b] |= new_eos
         s.done[:b] |= new_eos | (active & (gen >= sig.max_new))
-        s.pos[:b] += active.long()
+        pos.add_(step)
         s.tokens[:b].copy_(nxt)
 
     def _compact(self, alive: list[int], b: int, nb: int, upto: int, pad: int) -> None:

@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from laconic_nemo.rollout.fused import FusedLayer, column, rope_table, rotate, row_into
+from laconic_nemo.rollout.fused import unsupported as why_not_fused
 from laconic_nemo.rollout.slots import Sig
 
 
@@ -77,6 +79,13 @@ class StageMixin:
             self._pp_last = ps.get_pipeline_model_parallel_last_rank()
             self._next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
             self._prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
+        # the fused decode step (laconic_nemo/rollout/fused.py) where it serves the model, else the module calls
+        self.unfused_reason = why_not_fused(m) if self.settings.fused else "EngineSettings.fused = False"
+        self.fused = self.unfused_reason is None
+        self._fused_layers = [FusedLayer(layer) for layer in self.layers] if self.fused else []
+        self._rope_tab: torch.Tensor | None = None  # [positions, 2, 2, rot]: fused.rope_table
+        per = self.heads // self.groups
+        self._slot_sel = torch.tensor([0] * (per + 1) + [1], dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ the model's pieces
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -84,20 +93,28 @@ class StageMixin:
         emb = self.model.embedding
         if self.tp == 1:
             return emb(input_ids=tokens, position_ids=positions)
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        we = emb.word_embeddings
-        local = tokens - we.vocab_start_index
-        inside = (local >= 0) & (local < we.num_embeddings_per_partition)
-        out = F.embedding(local.clamp(0, we.num_embeddings_per_partition - 1), we.weight)
-        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-        x = reduce_from_tensor_model_parallel_region(out)
+        x = self._lookup(tokens)
         if emb.add_position_embedding:
             x = x + emb.position_embeddings(positions)
         x = x.transpose(0, 1).contiguous()
         if self.model.config.fp32_residual_connection:
             x = x.float()
         return emb.embedding_dropout(x)
+
+    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Word embeddings of ``tokens`` (any shape) -> [..., H]: ``F.embedding`` at TP 1 (what
+        ``VocabParallelEmbedding.forward`` runs there); at TP > 1 this rank's shard rows, zero for tokens outside it,
+        all-reduced (capture-safe: no boolean indexing)."""
+        we = self.model.embedding.word_embeddings
+        if self.tp == 1:
+            return F.embedding(tokens, we.weight)
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        local = tokens - we.vocab_start_index
+        inside = (local >= 0) & (local < we.num_embeddings_per_partition)
+        out = F.embedding(local.clamp(0, we.num_embeddings_per_partition - 1), we.weight)
+        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return reduce_from_tensor_model_parallel_region(out)
 
     def _rope(self, pos: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):
         """(cos, sin) of the model's RoPE table at positions ``pos``, viewed as ``shape`` + (rotary dim,), in
@@ -231,7 +248,10 @@ class StageMixin:
     # ------------------------------------------------------------------ decode
     def _decode_compute(self, b: int, kv: int) -> torch.Tensor | None:
         """This stage's part of one decode step for slots [0, b), attention over positions [0, kv): logits
-        [b, V] on the last stage; otherwise the hidden state goes to ``hidden_out``."""
+        [b, V] on the last stage; otherwise the hidden state goes to ``hidden_out``. The fused step where it serves
+        the model (:mod:`laconic_nemo.rollout.fused`), else the model's modules."""
+        if self.fused:
+            return self._decode_fused(b, kv)
         s = self.slots
         pos = s.pos[:b]
         if self.first:
@@ -262,3 +282,74 @@ class StageMixin:
             return out.reshape(1, b, self.heads * self.head_dim)
 
         return attend
+
+    # ------------------------------------------------------------------ the fused decode step
+    def _set_rope(self, positions: int) -> None:
+        """The RoPE tables of ``positions`` positions from the model's table (``GPTModel.rotary_pos_emb``: float32
+        angles [positions, 1, 1, rot]): cos / sin for the prefill and the module path, the fused step's factors."""
+        freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
+        self._rope_cos, self._rope_sin = torch.cos(freqs), torch.sin(freqs)
+        if self.fused:
+            self._rope_tab = rope_table(freqs, bool(self.model.config.rotary_interleaved), self.kv_dtype)
+
+    def _decode_fused(self, b: int, kv: int) -> torch.Tensor | None:
+        """:meth:`_decode_compute` through :mod:`laconic_nemo.rollout.fused`: hidden [b, H] rows, the RoPE factors
+        of the step's positions gathered once ([b, 1, heads per group + 2, rot]), an additive mask [b, 1, 1, kv]
+        built once, each layer's residual updated in place."""
+        s = self.slots
+        pos, rows = s.pos[:b], s.rows[:b]
+        if self.first:
+            h = self._lookup(s.tokens[:b])
+            emb = self.model.embedding
+            if emb.add_position_embedding:
+                h = h + emb.position_embeddings(pos)
+        else:
+            h = s.hidden_in[:b].clone()  # updated in place below; the received state stays for a graph's warm-up
+        rope = None
+        if self._rope_tab is not None:
+            f = self._rope_tab[pos].index_select(2, self._slot_sel)  # [b, 2, slots, rot]
+            rope = (f[:, 0].unsqueeze(1), f[:, 1].unsqueeze(1))
+        mask = torch.zeros(b, kv, dtype=self.kv_dtype, device=self.device)
+        mask.masked_fill_(s.arange[:kv].unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+        mask = mask.view(b, 1, 1, kv)
+        for li, fl in enumerate(self._fused_layers):
+            self._fused_layer(li, fl, h, rope, mask, rows, pos, b, kv)
+        if not self.last:
+            s.hidden_out[:b].copy_(h)
+            return None
+        return self._fused_logits(h)
+
+    def _fused_layer(self, li: int, fl: FusedLayer, h: torch.Tensor, rope, mask, rows, pos, b: int, kv: int) -> None:
+        """One layer on hidden [b, H], in place (see :mod:`laconic_nemo.rollout.fused`)."""
+        g, per, d = self.groups, self.heads // self.groups, self.head_dim
+        x = h if fl.in_norm is None else fl.in_norm(h)
+        qkv = column(fl.qkv, x).view(b, g, per + 2, d)  # megatron's per-group [q heads, k, v] layout
+        if fl.q_norm is not None or fl.k_norm is not None:
+            q, k, v = qkv[:, :, :per], qkv[:, :, per : per + 1], qkv[:, :, per + 1 :]
+            qkv = torch.cat((q if fl.q_norm is None else fl.q_norm(q), k if fl.k_norm is None else fl.k_norm(k), v),
+                            dim=2)
+        r = qkv if rope is None else rotate(qkv, *rope, bool(self.model.config.rotary_interleaved))
+        self.cache.write_kv(li, rows, pos, r[:, :, per:].permute(2, 0, 1, 3))  # [2, b, g, d]
+        keys = self.cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, g, kv, d]
+        vals = self.cache.values(li)[:b, :kv].transpose(1, 2)
+        ctx = F.scaled_dot_product_attention(r[:, :, :per], keys, vals, attn_mask=mask, scale=self.scale)
+        row_into(fl.proj, ctx.reshape(b, self.heads * d), h, self.tp)
+        fl.mlp_into(h if fl.pre_norm is None else fl.pre_norm(h), h, self.tp)
+
+    def _fused_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [b, H] -> float32 logits [b, V] over the real vocabulary, gathered over TP: one GEMM with the
+        output (or tied embedding) weight where ``output_layer`` is megatron's bias-free ``ColumnParallelLinear``."""
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        m = self.model
+        out = m.output_layer
+        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
+        if type(out) is ColumnParallelLinear and out.bias is None:
+            logits = torch.mm(h, (out.weight if weight is None else weight).t())
+        else:
+            logits = out(h.unsqueeze(0), weight=weight, runtime_gather_output=False)[0][0]
+        if self.tp > 1:
+            logits = gather_last_dim(logits, self._tp_group)
+        return logits[..., : self.vocab_size].float()

@@ -97,6 +97,21 @@ def cpu_isa() -> dict[str, Any]:
     return out
 
 
+def planned_cpu_isa(env: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """What the ranks of a CPU run started from this environment run with: the pin of ``LACONIC_CPU_ISA`` on an
+    x86-64 CPU with AVX2 (as :func:`cpu_isa` reports it in a pinned rank), without reading this process's own
+    choice (a process whose kernels already ran, e.g. an evaluation inside a test, finds the trainer's warm-up
+    cache under it); otherwise this process's :func:`cpu_isa`."""
+    import torch
+
+    env = os.environ if env is None else env
+    pin = PINS.get(cpu_isa_setting(env))
+    if pin is None or not is_x86_64() or not torch.cpu._is_avx2_supported():
+        return cpu_isa()
+    return {"pin": cpu_isa_setting(env), "machine": platform.machine(), "aten": pin["ATEN_CPU_CAPABILITY"].upper(),
+            "mkl_cbwr": pin["MKL_CBWR"], "onednn_max_cpu_isa": pin["ONEDNN_MAX_CPU_ISA"]}
+
+
 def describe(isa: dict[str, Any]) -> str:
     """One line for the logs: ``ATen AVX2, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX2`` (and the CPU when not
     pinned)."""

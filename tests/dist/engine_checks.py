@@ -44,7 +44,7 @@ def run_checks(actor, eos: int, res: dict) -> None:
     saved = (s.batch_buckets, s.kv_block, s.kv_cache_rows, actor.sampler, actor.sync_every, actor.compact_rows)
     s.batch_buckets, s.kv_block = (2, 4, 6, 8, 10, 12), 8
     actor.sync_every, actor.compact_rows = 3, True
-    eng: dict = {}
+    eng: dict = {"fused": engine.fused}  # the fused decode step, its TP collectives / PP hand-offs
     for sampler in ("exact", "device"):
         actor.sampler = sampler
         out = actor.generate(prompts, sp)
@@ -102,6 +102,7 @@ def _tp_checks(engine, eos: int) -> dict:
     got = te_engine.generate(prompts, sp, return_logprobs=True)
     ref = model_reference(model, arch.vocab_size, prompts, sp, sampler="exact", sync_every=3)
     out["te_equal"] = _same(got, ref)
+    out["te_fused"] = te_engine.fused
     inside = response_positions(got)
     full = full_forward_logprobs(model, arch.vocab_size, got.tokens)
     out["te_logprob_err"] = float((got.logprobs - full)[inside].abs().max())

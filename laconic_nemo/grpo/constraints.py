@@ -1,0 +1,120 @@
+"""The run's constraints beyond the mean, built from its config, and their state across a resume.
+
+:func:`budget_classes` and :func:`tail_constraint` build what the trainer (and ``plan``) build from a config
+(:mod:`laconic_nemo.core.constraints`). :func:`restore_constraints` loads a checkpoint's constraint state into
+them: each class by its key (its budget or bin), the tail constraint by its B_tail and q; a class or tail
+constraint that differs from the checkpoint's is refused naming the keys and the checkpoint, unless the
+``checkpoint.resume_allow_changes`` entries (``class:...``, ``tail:...``; :class:`~laconic_nemo.core.CarryOver`)
+say how to carry it over. The pre-flight runs the same restore on freshly built constraints
+(:func:`check_constraints_resume`), so ``train`` refuses before any rank starts what a rank would refuse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from laconic_nemo.config import Config, defaults, to_dict
+from laconic_nemo.core.constraints import (
+    BudgetClasses,
+    CarryOver,
+    ConstraintStateMismatch,
+    TailConstraint,
+)
+from laconic_nemo.grpo.resume import ResumeError, config_differences
+
+# the config keys that decide the budget classes and the tail constraint (named with the carry-over entries when
+# a resume refuses a difference, so that one override accepts the whole change)
+CLASS_KEYS = ("data.target_lengths", "data.target_length_range", "data.budget_key", "data.train_files",
+              "laconic.budget_classes", "laconic.per_prompt_budget")
+TAIL_KEYS = ("laconic.tail_budget", "laconic.tail_share")
+
+
+def run_budgets(cfg: Config) -> list[float] | None:
+    """Every budget a prompt of the run can have: the stated targets, else the prompts' B_i read from
+    ``data.budget_key``; None without per-prompt budgets."""
+    lc, d = cfg.laconic, cfg.data
+    if not lc.per_prompt_budget:
+        return None
+    stated = d.stated_budgets()
+    if stated is not None:
+        return [float(b) for b in stated]
+    from laconic_nemo.data.datasets import prompt_budgets
+
+    return prompt_budgets(list(d.train_files), str(d.budget_key), d.budget_missing, lc.budget,
+                          cfg.rollout.max_new_tokens)
+
+
+def budget_classes(cfg: Config, budgets: Sequence[float]) -> BudgetClasses:
+    """The budget classes of ``budgets`` with the controller settings of ``cfg.laconic``."""
+    lc = cfg.laconic
+    return BudgetClasses(budgets, lc.budget_classes, eta=lc.eta, floor=lc.floor, lambda_init=lc.lambda_init,
+                         ceiling=lc.ceiling, max_length=cfg.rollout.max_new_tokens, controller=lc.controller,
+                         kp=lc.kp, kd=lc.kd)
+
+
+def tail_constraint(cfg: Config) -> TailConstraint | None:
+    """The tail constraint of ``cfg.laconic`` (None without ``laconic.tail_budget``)."""
+    lc = cfg.laconic
+    if lc.tail_budget is None:
+        return None
+    return TailConstraint(lc.tail_budget, lc.tail_share, lc.tail_eta, lc.tail_ceiling, lc.tail_init)
+
+
+def carry_over(cfg: Config) -> CarryOver:
+    """The carry-over entries of ``checkpoint.resume_allow_changes``."""
+    return CarryOver.parse(list(cfg.checkpoint.resume_allow_changes or []))
+
+
+def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], classes: BudgetClasses | None,
+                        tail: TailConstraint | None, cfg: Config, strict: bool = True) -> None:
+    """Load ``state`` (a checkpoint's trainer state) into this run's ``classes`` and ``tail``, by key; the carry-over
+    entries of ``cfg`` decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
+
+    A constraint the checkpoint has and this run lacks is dropped (turning it off is a config change that
+    ``checkpoint.resume_allow_changes`` must accept). Raises :class:`~laconic_nemo.grpo.resume.ResumeError`: one
+    line naming the checkpoint, the keys that differ and the entries that would accept them."""
+    saved = state.get("constraints") or {}
+    carry = carry_over(cfg)
+    problems, entries = [], []
+    for mine, name in ((classes, "classes"), (tail, "tail")):
+        if mine is None:
+            continue
+        carry_how = carry if name == "classes" else carry.tail
+        try:
+            mine.load_state_dict(saved.get(name), strict=strict, carry=carry_how)
+        except ConstraintStateMismatch as exc:
+            problems.append(str(exc))
+            entries += exc.entries
+        except ValueError as exc:  # settings that differ (strict), or a value the checks let through
+            raise ResumeError(f"cannot resume from {ckpt}: {exc}") from None
+    if problems:
+        differ = {k for k, _, _ in config_differences(state.get("config") or {}, to_dict(cfg), defaults())}
+        behind = (CLASS_KEYS if classes is not None else ()) + (TAIL_KEYS if tail is not None else ())
+        keys = [k for k in behind if k in differ]
+        allowed = list(cfg.checkpoint.resume_allow_changes or [])
+        entries = list(dict.fromkeys(entries))
+        other = ""
+        if "tail:carry" in entries and "tail:reset" in entries:  # two ways for one tail: offer the first
+            entries.remove("tail:reset")
+            other = " (tail:reset instead of tail:carry starts mu at laconic.tail_init)"
+        accept = allowed + [k for k in keys if k not in allowed] + entries
+        raise ResumeError(f"cannot resume from {ckpt}: {'; '.join(problems)}. To carry the state over, resume with "
+                          f"checkpoint.resume_allow_changes=[{','.join(accept)}]{other} (how each entry carries it: "
+                          "docs/reliability.md), or with the checkpoint's settings")
+
+
+def check_constraints_resume(ckpt: str | Path, state: Mapping[str, Any], cfg: Config) -> None:
+    """The pre-flight's copy of a rank's restore: build this run's constraints from ``cfg`` and restore ``state``
+    into them (:func:`restore_constraints`); ResumeError as a rank would raise it."""
+    budgets = run_budgets(cfg)
+    classes = None if budgets is None else budget_classes(cfg, budgets)
+    restore_constraints(ckpt, state, classes, tail_constraint(cfg), cfg, strict=resume_strict(state, cfg))
+
+
+def resume_strict(state: Mapping[str, Any], cfg: Config) -> bool:
+    """Whether the controllers' settings must equal the checkpoint's: True unless a LACONIC key (or L_max) is among
+    the config differences ``checkpoint.resume_allow_changes`` accepts (then this run's settings are kept and the
+    restored multipliers clipped into them)."""
+    diffs = config_differences(state.get("config", {}), to_dict(cfg), defaults())
+    return not any(k.startswith("laconic.") or k == "rollout.max_new_tokens" for k, _, _ in diffs)

@@ -6,7 +6,6 @@ after the cluster has allocated its GPUs.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +105,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
     """Build the constraints beyond the mean as the trainer does (core/constraints.py) and describe each with its
     multipliers; raise ValueError naming the key on a bad one: a marker the tokenizer cannot encode (the synthetic
     task's character tokenizer, or ``tokenizer`` when loaded), a budget class without a budget."""
-    from laconic_nemo.grpo.constraints import budget_classes, tail_constraint
+    from laconic_nemo.grpo.constraints import budget_classes, run_budgets, tail_constraint
 
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     lines = []
@@ -143,12 +142,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
             source = f"data.budget_key {d.budget_key!r}"
             files = [str(f) for f in d.train_files]
             if d.kind == "synthetic":  # the synthetic rows carry B_i (data.synthetic.budgets_by_terms)
-                from laconic_nemo.data.datasets import row_budgets
-                from laconic_nemo.data.synthetic import SyntheticTask
-
-                rows = SyntheticTask(**dataclasses.asdict(d.synthetic)).rows(d.num_prompts, cfg.run.seed,
-                                                                              str(d.budget_key))
-                budgets = row_budgets(rows, str(d.budget_key), d.budget_missing, lc.budget, lmax)
+                budgets = run_budgets(cfg)
             elif files and all(Path(f).is_file() for f in files):
                 from laconic_nemo.data.datasets import prompt_budgets
 

@@ -469,7 +469,7 @@ def train(cfg: Config) -> int:
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
         trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
-                              stop_ids=task.stop_ids)
+                              stop_ids=task.stop_ids, budgets=task.budgets)
         return run_grpo(trainer, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
     finally:
         if lock is not None:

@@ -11,10 +11,12 @@ from laconic_nemo.core.constraints import (
     CarryOver,
     ConstraintStateMismatch,
     TailConstraint,
+    class_report,
     classes_state_problem,
     local_counts,
     per_prompt_cost64,
     reasoning_lengths,
+    report_counts,
     tail_state_problem,
 )
 from laconic_nemo.core.costs import (
@@ -37,6 +39,7 @@ from laconic_nemo.core.dual import (
     shaper_state,
 )
 from laconic_nemo.core.shapers import (
+    CORRECT,
     SHAPERS,
     Shaper,
     constant_lambda,
@@ -47,8 +50,10 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint",
-    "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem", "local_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "TailConstraint",
+    "class_report", "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem",
+    "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "Shaper",
+    "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
     "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
     "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
     "shaper_state", "shaping_metrics",

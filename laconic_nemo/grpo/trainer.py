@@ -39,8 +39,10 @@ import torch.distributed as dist
 
 from laconic_nemo.config import Config, check_layout, defaults, state_target, to_dict, to_yaml
 from laconic_nemo.core import (
+    CORRECT,
     BudgetClasses,
     TailConstraint,
+    class_report,
     constant_lambda,
     cost_lengths,
     group_advantages,
@@ -49,6 +51,7 @@ from laconic_nemo.core import (
     local_counts,
     next_lambda,
     reasoning_lengths,
+    report_counts,
     shape,
     shaper_state,
 )
@@ -263,6 +266,11 @@ class GRPOTrainer:
                 stated = self.prompt_budgets
             self.classes = budget_classes(self.cfg, stated)
         self.tail: TailConstraint | None = tail_constraint(self.cfg)
+        # the per-class report (budget_class/<name>/...): the run's budget classes, or, for a shaper without
+        # multipliers (the L1 baselines), one class per stated target of a set (data.target_lengths)
+        self.report_classes = self.classes
+        if self.report_classes is None and d.target_lengths is not None:
+            self.report_classes = BudgetClasses(d.stated_budgets(), None, eta=0.0, ceiling=0.0)
 
     @property
     def constrained(self) -> bool:
@@ -413,6 +421,9 @@ class GRPOTrainer:
             lam_next = next_lambda(self.dual, lam_used, global_mean_length)
             constraint_metrics = self._constraint_step(sums[2:].tolist(), global_mean_length, mu_used) \
                 if self.constrained else {}
+            if self.report_classes is not None:  # B_i of each response: its prompt's budget, or its stated target
+                constraint_metrics.update(self._class_report(lengths, task_reward, targets if budgets is None
+                                                             else budgets))
 
         metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
@@ -439,6 +450,15 @@ class GRPOTrainer:
         counts = local_counts(lengths, None if c is None else c.budget_index(budgets),
                               0 if c is None else len(c.budgets), self.tail)
         return counts + [int(closed.sum()) if closed is not None else 0]
+
+    def _class_report(self, lengths: torch.Tensor, task_reward: torch.Tensor, budgets: torch.Tensor
+                      ) -> dict[str, float]:
+        """Per budget class, over the global batch (integer counts all-reduced over DP): the mean of L_i / B_i, the
+        shares within 10% of B_i and over it, and pass@1 (task reward > CORRECT), as ``budget_class/<name>/...``."""
+        c = self.report_classes
+        local = report_counts(lengths, task_reward > CORRECT, c.budget_index(budgets), c.budgets)
+        counts = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64).tolist()
+        return {f"budget_class/{name}/{k}": v for name, row in class_report(c, counts).items() for k, v in row.items()}
 
     def _constraint_step(self, counts: list[int], global_mean_length: float, mu_used: float | None
                          ) -> dict[str, Any]:

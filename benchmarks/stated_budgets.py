@@ -1,28 +1,40 @@
-"""The README's stated-budget table and its plot (docs/stated_budgets.png), from fresh runs and evaluations.
+"""The README's stated-budget block and its plots (docs/stated_budgets.png, docs/stated_budgets_training.png):
+one policy that follows the budget it is told, LACONIC's per-class multipliers against L1's fixed alpha.
 
     PYTHONPATH=. python benchmarks/stated_budgets.py            # train / evaluate what is missing, print the block
-    PYTHONPATH=. python benchmarks/stated_budgets.py --write    # ... and write it into README.md, the PNG into docs/
+    PYTHONPATH=. python benchmarks/stated_budgets.py --write    # ... and write it into README.md, the PNGs into docs/
     PYTHONPATH=. python benchmarks/stated_budgets.py --check    # ... and exit 1 when README.md says something else
 
-Runs (``laconic-nemo train``, 2 local ranks each, into ``RESULTS/<name>``, warm-up cache ``RESULTS/warmup_cache``):
-the rows of :data:`RUNS` whose recipe exists: ``tiny_cpu_l1_stated.yaml`` (L1-Max, a fixed coefficient alpha) and
-``tiny_cpu_stated.yaml`` (LACONIC with one multiplier per stated-budget class) when that recipe is present. Each run
-is evaluated by ``laconic-nemo eval --benchmarks synthetic --stated-budgets`` at the budgets of :data:`BUDGETS`
-(stated in the prompt by the run's own ``data.target_instruction``, all inside the range the runs were trained on),
-and the first run's warm-up policy (its RL starting point, which never saw a stated budget) with the same prompts
-is the reference row. Every evaluation asks the same held-out problems (``--synthetic-problems``, seed 0).
+Runs (``laconic-nemo train``, 2 local ranks each, into ``RESULTS/<name>``, warm-up cache ``RESULTS/warmup_cache``;
+RESULTS defaults to ``results/constraint_runs``, the folder of ``benchmarks/tiny_runs.py --constraints``, whose
+table reads the same stated and per-prompt runs):
+
+* :data:`RUNS`, the stated budgets: ``tiny_cpu_stated.yaml`` (LACONIC, one multiplier per stated budget),
+  ``tiny_cpu_stated_l1_max.yaml`` (L1-Max) and ``tiny_cpu_stated_l1_exact.yaml`` (L1-Exact), the same warm-up (the
+  budget-aware one, ``data.synthetic.stated_share``: it states budgets in the RL prompts' words), the same stated
+  budgets (``data.target_lengths``) and the same number of steps;
+* :data:`PER_PROMPT`: ``tiny_cpu_per_prompt.yaml``, budgets from the data (each row's ``data.budget_key`` field, a
+  function of the problem's number of terms), nothing stated, the main job's warm-up.
+
+The block: (1) training, per stated budget and run, the first and the last tenth of the steps (mean L / B, share
+within 10% of B, share over B, pass@1) and each LACONIC class multiplier along the run; (2) held-out evaluation,
+``laconic-nemo eval --benchmarks synthetic --stated-budgets`` of each trained policy and of the warm-up policy at
+:data:`EVAL_BUDGETS` (the trained budgets, budgets between them and outside them); (3) the per-prompt classes in
+training and on held-out problems (``laconic-nemo eval --benchmarks synthetic``, each sample's B_i from its
+problem's k, grouped into the recipe's bins). Every evaluation asks the same held-out problems (seed 0).
 
 Idempotent and resumable like ``benchmarks/tiny_runs.py`` (whose training and provenance helpers it uses): a
 finished run is kept, an interrupted one continues from its checkpoint, an evaluation continues from its
 samples.jsonl; the results folder's ``manifest.json`` refuses runs of other code (``--fresh`` starts over). The
 README block between ``<!-- stated-budgets:begin ... -->`` and ``<!-- stated-budgets:end -->`` is a function of
-the evaluations alone.
+the runs and evaluations alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,94 +46,284 @@ import tiny_runs  # noqa: E402  (the training and provenance helpers of the tiny
 ROOT = tiny_runs.ROOT
 BEGIN = "<!-- stated-budgets:begin: written by benchmarks/stated_budgets.py, do not edit by hand -->"
 END = "<!-- stated-budgets:end -->"
-BUDGETS = [16, 24, 32, 40, 48]
-# (run folder, recipe, overrides, label); a row whose recipe is absent is skipped
+# (run folder, recipe, overrides, label): LACONIC first (the other rows are compared with it)
 RUNS = [
-    ("tiny_cpu_l1_stated", "recipes/tiny_cpu_l1_stated.yaml", [], "L1-Max, alpha = 0.03, 70 steps (`tiny_cpu_l1_stated.yaml`)"),
-    ("tiny_cpu_l1_stated_210", "recipes/tiny_cpu_l1_stated.yaml", ["run.num_steps=210"],
-     "L1-Max, alpha = 0.03, 210 steps (`tiny_cpu_l1_stated.yaml run.num_steps=210`)"),
-    ("tiny_cpu_stated", "recipes/tiny_cpu_stated.yaml", [], "LACONIC, a multiplier per class (`tiny_cpu_stated.yaml`)"),
+    ("tiny_cpu_stated", "recipes/tiny_cpu_stated.yaml", [], "LACONIC, a multiplier per budget"),
+    ("tiny_cpu_stated_l1_max", "recipes/tiny_cpu_stated_l1_max.yaml", [], "L1-Max, alpha 0.03"),
+    ("tiny_cpu_stated_l1_exact", "recipes/tiny_cpu_stated_l1_exact.yaml", [], "L1-Exact, alpha 0.03"),
 ]
-WARMUP_LABEL = "warm-up policy (no RL; never saw a stated budget)"
-# the plot's legend: the labels above without the recipe in parentheses (a legend inside the length panel)
-def short(label: str) -> str:
-    return label.split(" (")[0]
+PER_PROMPT = ("tiny_cpu_per_prompt", "recipes/tiny_cpu_per_prompt.yaml", [],
+              "LACONIC, per-prompt budgets from the data")
+# the held-out evaluation's stated budgets: the trained ones (tiny_cpu_stated.yaml: 20, 25, 30, 35), one between
+# each pair of them, and one outside the trained range on either side
+EVAL_BUDGETS = [15, 20, 22, 25, 27, 30, 32, 35, 40]
+WARMUP_LABEL = "warm-up policy (no RL)"
+WITHIN = 0.1
 
 
 def say(msg: str) -> None:
     print(f"[stated-budgets] {msg}", flush=True)
 
 
-def runs() -> list[tuple[str, str, list[str], str]]:
-    return [r for r in RUNS if (ROOT / r[1]).is_file()]
-
-
-def evaluate(model: Path, out: Path, args, warmed_up: bool = False, cache: Path | None = None) -> dict:
-    """``laconic-nemo eval --stated-budgets`` of one policy (continued when interrupted); its stated.json."""
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate(model: Path, out: Path, args, budgets: list[int] | None, warmed_up: bool = False,
+             cache: Path | None = None) -> Path:
+    """``laconic-nemo eval --benchmarks synthetic`` of one policy (``--stated-budgets`` when ``budgets``), continued
+    when interrupted; returns its output folder."""
     cmd = [sys.executable, "-m", "laconic_nemo", "eval", "--model", str(model), "--benchmarks", "synthetic",
-           "--stated-budgets", ",".join(map(str, BUDGETS)), "--synthetic-problems", str(args.problems),
-           "--n-samples", str(args.n_samples), "--output-dir", str(out)]
+           "--synthetic-problems", str(args.problems), "--n-samples", str(args.n_samples), "--output-dir", str(out)]
+    if budgets is not None:
+        cmd += ["--stated-budgets", ",".join(map(str, budgets))]
     if warmed_up:
         cmd += ["--warmed-up", "--warmup-cache", str(cache)]
-    done = out / "stated.json"
-    if done.is_file():
-        made = json.loads(done.read_text())
-        if made.get("n_samples") == args.n_samples and made.get("synthetic_problems") == args.problems:
-            return made
+    done = out / ("stated.json" if budgets is not None else "summary.json")
+    stamp = out / "asked.json"
+    asked = {"problems": args.problems, "n_samples": args.n_samples, "budgets": budgets}
+    if done.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == asked:
+        return out
     say("$ " + " ".join(cmd[2:]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with (out.parent / f"{out.name}.log").open("a") as log:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         raise SystemExit(f"[stated-budgets] evaluation of {model} exited {rc} (log: {out.parent / f'{out.name}.log'})")
-    return json.loads(done.read_text())
+    stamp.write_text(json.dumps(asked))
+    return out
 
 
-def block(evals: list[tuple[str, dict]], made: dict, args) -> str:
-    lines = [BEGIN, "", "| policy | stated budget | mean length | mean length / budget | pass@1 | share within 10% "
-             "| share over budget |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for label, ev in evals:
-        for r in ev["rows"]:
-            lines.append(f"| {label} | {r['budget']} | {r['mean_length']:.1f} | {r['length_ratio']:.2f} | "
-                         f"{r['pass@1']:.3f} | {r['within_10']:.3f} | {r['over_budget']:.3f} |")
-    first = evals[0][1]
-    v = made["versions"]
-    held = first["rows"][0]["n"] // first["n_samples"]  # fewer than asked when k = 2 has too few unseen problems
-    lines += ["", f"Each row: {first['n_samples']} samples of each of {held} held-out problems ({args.problems} asked "
-              f"for; the same for every budget and policy), temperature {first['temperature']}, top-p {first['top_p']}, at most "
-              f"{first['max_tokens']} tokens. Measured {made['date']} by `PYTHONPATH=. python "
-              f"benchmarks/stated_budgets.py --write` (seed {tiny_runs.SEED}; torch {v['torch']}, megatron-core "
-              f"{v['megatron-core']}, Python {v['python']}, {made['threads_per_rank']} thread per rank).", "", END]
+def stated_eval_rows(out: Path) -> list[dict]:
+    return json.loads((out / "stated.json").read_text())["rows"]
+
+
+def per_class_eval(run_dir: Path, out: Path, args) -> dict[str, dict]:
+    """Per budget class of a per-prompt run, over its held-out samples (plain prompts): each sample's B_i from its
+    problem's number of terms (data.synthetic.budgets_by_terms), grouped into the run's bins; the mean of L / B_i,
+    the shares within 10% and over, pass@1."""
+    from laconic_nemo.core import BudgetClasses
+    from laconic_nemo.eval.runner import read_samples
+    from laconic_nemo.eval.synthetic import _task, heldout_problems, run_config
+
+    cfg, _ = run_config(run_dir)
+    task = _task(cfg)
+    problems = heldout_problems(cfg, args.problems)
+    classes = BudgetClasses([float(b) for b in cfg.data.synthetic.budgets_by_terms], cfg.laconic.budget_classes,
+                            eta=0.0, ceiling=0.0)
+    acc: dict[str, list] = {n: [] for n in classes.names}
+    for r in read_samples(str(out / "samples.jsonl")):
+        if r["sample"] >= args.n_samples or r["index"] >= len(problems):
+            continue
+        b = float(task.budget_of(problems[r["index"]]))
+        name = classes.names[classes.class_of_budget[classes.budgets.index(b)]]
+        acc[name].append((int(r["num_tokens"]), b, float(r["score"])))
+    return {n: summarize(v) for n, v in acc.items() if v}
+
+
+def summarize(samples: list[tuple[int, float, float]]) -> dict:
+    """(L, B, score) samples -> mean of L / B, within 10%, over, pass@1, n."""
+    n = len(samples)
+    return {"length_ratio": sum(L / b for L, b, _ in samples) / n,
+            "within_10": sum(abs(L - b) <= WITHIN * b for L, b, _ in samples) / n,
+            "over_budget": sum(L > b for L, b, _ in samples) / n, "pass@1": sum(s for *_, s in samples) / n, "n": n}
+
+
+# ------------------------------------------------------------------------------------------------ training tables
+def class_names(rows: list[dict]) -> list[str]:
+    names = {k.split("/")[1] for r in rows for k in r if k.startswith("budget_class/")}
+    return sorted(names, key=lambda x: float(x.split("-")[0]))
+
+
+def avg(rows: list[dict], key: str) -> float:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def training_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per class: the first and the last tenth's means of the report (budget_class/<name>/...), the multiplier at
+    steps 10, 30, 50 and the last (LACONIC's classes), the task reward over the last tenth."""
+    n = tiny_runs.tenth(rows)
+    first, last = rows[:n], rows[-n:]
+    out = {}
+    for name in class_names(rows):
+        k = f"budget_class/{name}/"
+        lam = [rows[s - 1].get(f"laconic/lambda/class_{name}") for s in (10, 30, 50, len(rows)) if s <= len(rows)]
+        out[name] = {"ratio": (avg(first, k + "length_ratio"), avg(last, k + "length_ratio")),
+                     "within_10": avg(last, k + "within_10"), "over_budget": avg(last, k + "over_budget"),
+                     "pass@1": (avg(first, k + "pass@1"), avg(last, k + "pass@1")),
+                     "lambda": None if lam[-1] is None else lam}
+    return out
+
+
+def held(ratio: float) -> str:
+    return "yes" if abs(ratio - 1) <= WITHIN else "no"
+
+
+def lam_path(lam) -> str:
+    if lam is None:
+        return "none (fixed alpha)"
+    return " -> ".join(f"{x:.2f}" for x in lam)
+
+
+def training_table(runs: list[tuple[str, dict, int]]) -> list[str]:
+    lines = ["| run | stated budget | mean L / B, first -> last tenth | within 10% | over budget | pass@1, first -> "
+             "last tenth | multiplier at steps 10, 30, 50, end | held (last tenth) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, summ, _ in runs:
+        for name, s in summ.items():
+            (a, b), (p0, p1) = s["ratio"], s["pass@1"]
+            lines.append(f"| {label} | {name} | {a:.2f} -> {b:.2f} | {s['within_10']:.2f} | {s['over_budget']:.2f} | "
+                         f"{p0:.3f} -> {p1:.3f} | {lam_path(s['lambda'])} | {held(b)} |")
+    return lines
+
+
+def kind_of(budget: int, trained: list[int]) -> str:
+    if budget in trained:
+        return "trained"
+    if min(trained) < budget < max(trained):
+        return "between"
+    return "outside"
+
+
+def eval_table(evals: list[tuple[str, list[dict]]], trained: list[int]) -> list[str]:
+    lines = ["| policy | stated budget | mean length | mean length / budget | pass@1 | within 10% | over budget |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, rows in evals:
+        for r in rows:
+            b = r["budget"]
+            lines.append(f"| {label} | {b} ({kind_of(b, trained)}) | {r['mean_length']:.1f} | {r['length_ratio']:.2f} "
+                         f"| {r['pass@1']:.3f} | {r['within_10']:.2f} | {r['over_budget']:.2f} |")
+    return lines
+
+
+def per_prompt_table(train: dict[str, dict], held_out: dict[str, dict], warm: dict[str, dict]) -> list[str]:
+    lines = ["| budget class (B_i = 3.5 k + 9) | training: mean L / B_i, first -> last tenth | within 10% | over | "
+             "pass@1, last tenth | multiplier at steps 10, 30, 50, end | held-out: mean L / B_i | within 10% | over "
+             "| pass@1 | warm-up on the same problems: mean L / B_i, pass@1 | held (training, held-out) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in train.items():
+        h, w = held_out[name], warm[name]
+        (a, b), (_, p1) = s["ratio"], s["pass@1"]
+        lines.append(f"| {name} | {a:.2f} -> {b:.2f} | {s['within_10']:.2f} | {s['over_budget']:.2f} | {p1:.3f} | "
+                     f"{lam_path(s['lambda'])} | {h['length_ratio']:.2f} | {h['within_10']:.2f} | "
+                     f"{h['over_budget']:.2f} | {h['pass@1']:.3f} | {w['length_ratio']:.2f}, {w['pass@1']:.3f} | "
+                     f"{held(b)}, {held(h['length_ratio'])} |")
+    return lines
+
+
+def block(runs, evals, per_prompt, trained, made: dict, args, steps: int) -> str:
+    held_evals = {label: rows for label, rows in evals}
+    lines = [BEGIN, "", f"Training ({steps} steps each, the same budget-aware warm-up; the last tenth is the last "
+             f"{tiny_runs.tenth([0] * steps)} steps; pass@1 is the training reward's accuracy at temperature 1):", ""]
+    lines += training_table(runs)
+    lines += ["", f"Held-out evaluation (`laconic-nemo eval --benchmarks synthetic --stated-budgets "
+              f"{','.join(map(str, EVAL_BUDGETS))}`; trained: a budget of the runs, between: between two of them, "
+              "outside: beyond them):", ""]
+    lines += eval_table(evals, trained)
+    if per_prompt is None:
+        lines += ["", f"Per-prompt budgets from the data (`{Path(PER_PROMPT[1]).name}`): not measured in this block "
+                  "(`PYTHONPATH=. python benchmarks/stated_budgets.py --write` trains and evaluates it)."]
+    else:
+        train_pp, held_pp, warm_pp = per_prompt
+        lines += ["", f"Per-prompt budgets from the data (`{Path(PER_PROMPT[1]).name}`, {steps} steps, nothing "
+                  "stated; held-out: `laconic-nemo eval --benchmarks synthetic`, each sample's B_i from its problem):",
+                  ""]
+        lines += per_prompt_table(train_pp, held_pp, warm_pp)
+    first = json.loads((args.results / "eval_tiny_cpu_stated" / "stated.json").read_text())
+    skip = " --skip-per-prompt" if per_prompt is None else ""
+    rows0 = next(iter(held_evals.values()))
+    held_n = rows0[0]["n"] // args.n_samples  # fewer than asked when k = 2 has too few unseen problems
+    lines += ["", f"Held-out: {args.n_samples} samples of each of {held_n} problems ({args.problems} asked for; the "
+              f"same for every budget and policy; none of them an RL prompt), temperature {first['temperature']}, "
+              f"top-p {first['top_p']}, at most {first['max_tokens']} tokens. Measured {made['date']} by `PYTHONPATH=. "
+              f"python benchmarks/stated_budgets.py --write{skip}` (seed {tiny_runs.SEED}; "
+              f"{tiny_runs.made_with(made)}).",
+              "", END]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def plot_training(path: Path, runs: list[tuple[str, list[dict]]]) -> None:
+    """Per run, each class's mean L / B along training (one panel per run, the 10% band shaded) and, in a last
+    panel, LACONIC's class multipliers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.2 * (len(runs) + 1), 3.6))
+    for ax, (label, rows) in zip(axes, runs):
+        steps = [r["step"] for r in rows]
+        ax.axhspan(1 - WITHIN, 1 + WITHIN, color="gray", alpha=0.15)
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        for name in class_names(rows):
+            ys = [r.get(f"budget_class/{name}/length_ratio") for r in rows]
+            ax.plot(steps, [math.nan if y is None else y for y in ys], label=f"budget {name}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean L / B")
+        ax.set_ylim(0, 2.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    label, rows = runs[0]
+    ax = axes[-1]
+    steps = [r["step"] for r in rows]
+    for name in class_names(rows):
+        ax.plot(steps, [r.get(f"laconic/lambda/class_{name}", math.nan) for r in rows], label=f"lambda, budget {name}")
+    ax.set_title(f"{label}: class multipliers", fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="results/stated_budgets", help="folder of the runs and evaluations")
+    ap.add_argument("--results", default="results/constraint_runs", help="folder of the runs and evaluations")
     ap.add_argument("--problems", type=int, default=128, help="held-out problems per stated budget")
     ap.add_argument("--n-samples", type=int, default=4, help="samples per problem and budget")
     ap.add_argument("--fresh", action="store_true", help="remove RESULTS first")
+    ap.add_argument("--skip-per-prompt", action="store_true",
+                    help="leave the per-prompt run out (neither trained nor evaluated): the block says it is not "
+                         "measured and names the command that measures it")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="write the block into README.md and the plot PNG")
+    mode.add_argument("--write", action="store_true", help="write the block into README.md and the plot PNGs")
     mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs")
     args = ap.parse_args(argv)
-    results = Path(args.results).resolve()
+    from laconic_nemo.config import load_config
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()  # as the ranks' launcher pins them (CPU runs): the manifest and the block name it
+    args.results = results = Path(args.results).resolve()
     made = tiny_runs.open_results(results, args.fresh)
-    todo = runs()
+    todo = [*RUNS] if args.skip_per_prompt else [*RUNS, PER_PROMPT]
     for k, (name, recipe, over, _label) in enumerate(todo, 1):
         tiny_runs.train(name, recipe, over, results, k, len(todo))
-    first = todo[0][0]
-    evals = [(WARMUP_LABEL, evaluate(results / first, results / "eval_warmup", args, warmed_up=True,
-                                     cache=results / "warmup_cache"))]
-    evals += [(label, evaluate(results / name, results / f"eval_{name}", args)) for name, _r, _o, label in todo]
-    text = block(evals, made, args)
+    trained = sorted(load_config(str(ROOT / RUNS[0][1]), RUNS[0][2]).data.stated_budgets())
+    steps = tiny_runs.num_steps(RUNS[0][1], RUNS[0][2])
+    cache = results / "warmup_cache"
+    evals = [(WARMUP_LABEL, stated_eval_rows(evaluate(results / RUNS[0][0], results / "eval_stated_warmup", args,
+                                                      EVAL_BUDGETS, warmed_up=True, cache=cache)))]
+    evals += [(label, stated_eval_rows(evaluate(results / name, results / f"eval_{name}", args, EVAL_BUDGETS)))
+              for name, _r, _o, label in RUNS]
+    metrics = [(label, tiny_runs.rows_of(results / name)) for name, _r, _o, label in RUNS]
+    runs = [(label, training_summary(rows), len(rows)) for label, rows in metrics]
+    pp = results / PER_PROMPT[0]
+    per_prompt = None if args.skip_per_prompt else (
+        training_summary(tiny_runs.rows_of(pp)),
+        per_class_eval(pp, evaluate(pp, results / f"eval_{PER_PROMPT[0]}", args, None), args),
+        per_class_eval(pp, evaluate(pp, results / "eval_per_prompt_warmup", args, None, warmed_up=True, cache=cache),
+                       args))
+    text = block(runs, evals, per_prompt, trained, made, args, steps)
     print(text)
     from laconic_nemo.eval.stated import plot
 
-    return tiny_runs.update_readme(
-        text, BEGIN, END, args, "stated-budget block", "these evaluations", "docs/stated_budgets.png",
-        lambda: plot(str(ROOT / "docs" / "stated_budgets.png"), [(short(label), ev["rows"]) for label, ev in evals]),
-        tell=say)
+    def draw():
+        plot(str(ROOT / "docs" / "stated_budgets.png"), [(label, rows) for label, rows in evals])
+        plot_training(ROOT / "docs" / "stated_budgets_training.png", metrics)
+
+    return tiny_runs.update_readme(text, BEGIN, END, args, "stated-budget block", "these runs and evaluations",
+                                   "docs/stated_budgets.png and docs/stated_budgets_training.png", draw, tell=say)
 
 
 if __name__ == "__main__":

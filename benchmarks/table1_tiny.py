@@ -91,9 +91,11 @@ def main(argv=None) -> int:
         run_config,
         warmup_policy_dir,
     )
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
     from laconic_nemo.runtime.megatron_env import cpu_threads
 
     torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
+    pin_cpu_isa()  # the CPU trainer's kernels (before the first one here): the warm-up cache key names them too
     results = Path(args.results).resolve()
     cache_root = results / "warmup_cache"
     out = Path(args.out).resolve() if args.out else results / "table1_tiny"

@@ -86,10 +86,23 @@ def code_digest() -> str:
 
 
 def provenance() -> dict:
+    """What the runs are a function of besides the recipes: the code, the library versions, the threads per rank
+    and the instruction set of the ranks' CPU kernels (this process is pinned as the ranks are: :func:`main`)."""
     from laconic_nemo.app.warmup import library_versions
+    from laconic_nemo.runtime.cpu_isa import cpu_isa
     from laconic_nemo.runtime.megatron_env import cpu_threads
 
-    return {"code": code_digest(), "versions": library_versions(), "threads_per_rank": cpu_threads()}
+    return {"code": code_digest(), "versions": library_versions(), "threads_per_rank": cpu_threads(),
+            "cpu_isa": cpu_isa()}
+
+
+def made_with(made: dict) -> str:
+    """The versions, threads and CPU kernels of the block's last line."""
+    from laconic_nemo.runtime.cpu_isa import describe
+
+    v = made["versions"]
+    return (f"torch {v['torch']}, megatron-core {v['megatron-core']}, Python {v['python']}, "
+            f"{made['threads_per_rank']} thread per rank, CPU kernels {describe(made['cpu_isa'])}")
 
 
 def open_results(results: Path, fresh: bool) -> dict:
@@ -231,11 +244,9 @@ def block(results: Path, made: dict, seeds: list[int]) -> str:
     for s in seeds:
         if s != SEED:
             per_seed[s] = summary(rows_of(results / f"tiny_cpu_seed{s}"), None)
-    v = made["versions"]
     lines += ["", spread_line(per_seed), "",
               f"Measured {made['date']} by `PYTHONPATH=. python benchmarks/tiny_runs.py --write` (seed {SEED} unless "
-              f"said; torch {v['torch']}, megatron-core {v['megatron-core']}, Python {v['python']}, "
-              f"{made['threads_per_rank']} thread per rank).", "", END]
+              f"said; {made_with(made)}).", "", END]
     return "\n".join(lines)
 
 
@@ -298,11 +309,9 @@ def constraint_block(results: Path, made: dict) -> str:
             skipped.append(f"{label}: not run here ({why})")
             continue
         lines += constraint_rows(label, rows_of(results / name), load_config(str(ROOT / recipe), over))
-    v = made["versions"]
     lines += [""] + [f"{x}." for x in skipped] + ([""] if skipped else []) + [
         f"Measured {made['date']} by `PYTHONPATH=. python benchmarks/tiny_runs.py --constraints --write` (seed "
-        f"{SEED}; torch {v['torch']}, megatron-core {v['megatron-core']}, Python {v['python']}, "
-        f"{made['threads_per_rank']} thread per rank).", "", C_END]
+        f"{SEED}; {made_with(made)}).", "", C_END]
     return "\n".join(lines)
 
 
@@ -313,11 +322,20 @@ def readme_block(text: str, begin: str = BEGIN, end: str = END) -> tuple[int, in
     return a, b + len(end)
 
 
+def undated(text: str) -> str:
+    """``text`` without the date of its "Measured YYYY-MM-DD" line: the day a results folder was made is not a
+    function of its runs, so ``--check`` on a fresh clone (whose folder is made today) compares the rest."""
+    import re
+
+    return re.sub(r"Measured \d{4}-\d{2}-\d{2}", "Measured <date>", text)
+
+
 def update_readme(text: str, begin: str, end: str, args, block: str, source: str, figure: str | None = None,
                   draw=None, tell=say) -> int:
     """README.md's block between ``begin`` and ``end``: with ``--write`` replaced by ``text`` (and ``draw()`` writes
-    ``figure``, a path under the repository), with ``--check`` compared with it (1 when it differs); ``block`` and
-    ``source`` name the block and what made it in the messages given to ``tell``. Returns the exit status."""
+    ``figure``, a path under the repository), with ``--check`` compared with it but for the date of its "Measured"
+    line (1 when it differs); ``block`` and ``source`` name the block and what made it in the messages given to
+    ``tell``. Returns the exit status."""
     readme = ROOT / "README.md"
     current = readme.read_text()
     a, b = readme_block(current, begin, end)
@@ -327,7 +345,7 @@ def update_readme(text: str, begin: str, end: str, args, block: str, source: str
             draw()
         tell("wrote README.md" + ("" if figure is None else f" and {figure}"))
     elif args.check:
-        if current[a:b] != text:
+        if undated(current[a:b]) != undated(text):
             tell(f"README.md's {block} differs from {source} (above); --write replaces it")
             return 1
         tell(f"README.md's {block} is what {source} give")
@@ -352,6 +370,9 @@ def main(argv=None) -> int:
     mode.add_argument("--write", action="store_true", help="write the block into README.md and the curves PNG")
     mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs")
     args = ap.parse_args(argv)
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()  # as the ranks' launcher pins them (CPU runs): the manifest and the block name it
     seeds = sorted({int(s) for s in args.seeds.split(",")} | {SEED})
     results = Path(args.results or ("results/constraint_runs" if args.constraints else "results/tiny_runs")).resolve()
     made = open_results(results, args.fresh)

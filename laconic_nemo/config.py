@@ -235,6 +235,22 @@ class SyntheticConfig:
 the final boxed answer (a3:3,b5:8,ok.\\boxed{8}), as R1-style models close theirs with </think>;
 in the synthetic tokenizer's characters (0-9 : , Q \\ b o x e d { } h m . space a-l).
 Pair it with laconic.reasoning_marker (the same string) for a reasoning-only budget.""")
+    stated_share: float = opt(0.0, "share of warm-up prompts that state a budget (0: none, the warm-up draws nothing "
+                                   "for it)", ge=0, le=1, above="""Stated budgets in the warm-up (laconic_nemo/data/synthetic.py): a share of the warm-up prompts
+state a budget B drawn from stated_range, with data.target_instruction as the RL prompts state theirs;
+a share budget_follow of those is answered with the length nearest B, the rest as without a budget.
+budget_follow is how strongly the warm-up's length follows B: the mean length of a stated example rises
+by about budget_follow tokens per token of B (0.47 at 0.5 over B = 16..56, max_filler 6).""")
+    stated_range: List[int] = opt([16, 56], """[lo, hi] of the warm-up's stated budgets (uniform integers); 16..56: from a
+compact 3-term answer to a worked 8-term one with a filler (inferred)""")
+    budget_follow: float = opt(1.0, """share of the stated-budget warm-up examples answered with the length nearest their
+budget (the rest ignore it). 1.0: the tiny 800-step warm-up lands about half of
+its samples within 10% of the stated budget, imperfectly as a reasoning model
+follows "think for N tokens" before length training (L1's starting point,
+arXiv 2503.04697); at 0.5 it barely reads the budget (README, measured)""", ge=0, le=1)
+    budgets_by_terms: Optional[List[int]] = opt(None, """per-prompt budgets from the data: B_i of a problem with k terms
+at entry k - min_terms (one integer >= 1 per k), written into each row's field
+data.budget_key; null: the rows carry no budget""")
 
     def __post_init__(self):
         marker = self.reasoning_marker
@@ -248,6 +264,14 @@ Pair it with laconic.reasoning_marker (the same string) for a reasoning-only bud
         _require(self.p_abbreviated + self.p_compact <= 1, "data.synthetic.p_compact",
                  f"a number in [0, 1 - data.synthetic.p_abbreviated] = [0, {1 - self.p_abbreviated:g}] (the shares "
                  "of the styles sum to at most 1)", self.p_compact)
+        lo_hi = list(self.stated_range)
+        _require(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], "data.synthetic.stated_range",
+                 "[lo, hi] with 1 <= lo <= hi", lo_hi)
+        if self.budgets_by_terms is not None:
+            n = self.max_terms - self.min_terms + 1
+            b = list(self.budgets_by_terms)
+            _require(len(b) == n and all(int(x) >= 1 for x in b), "data.synthetic.budgets_by_terms",
+                     f"{n} integers >= 1 (one per k = {self.min_terms}..{self.max_terms}), or null", b)
 
 
 @dataclass(slots=True)
@@ -269,8 +293,9 @@ target_length_range; exclusive with it); null: none""")
     target_instruction: str = opt(" Think for {target} tokens.", """the prompt's target stated with {target} (or {budget})
 replaced by it: at the end of the user turn, before the assistant turn of the
 chat template (data.kind = math); appended to the prompt (synthetic)""")
-    budget_key: Optional[str] = opt(None, """data.kind = math: the JSONL / parquet field holding each prompt's budget B_i
-(laconic.per_prompt_budget); null: none""")
+    budget_key: Optional[str] = opt(None, """the data rows' field holding each prompt's budget B_i (laconic.per_prompt_budget):
+a JSONL / parquet field (data.kind = math), or the field the synthetic rows carry
+data.synthetic.budgets_by_terms in (data.kind = synthetic); null: none""")
     budget_missing: str = opt("recipe", """a row without budget_key: recipe (B_i = laconic.budget) | refuse (the
 data check names the file and row)""", choices=("recipe", "refuse"))
     synthetic: SyntheticConfig = section(SyntheticConfig, "synthetic task (laconic_nemo.data.synthetic): sum mod 10 "
@@ -293,11 +318,14 @@ data check names the file and row)""", choices=("recipe", "refuse"))
                      "target)", self.target_instruction)
         if self.budget_key is not None:
             _require(bool(self.budget_key), "data.budget_key", "a non-empty field name or null", self.budget_key)
-            _require(self.kind == "math", "data.budget_key", "null with data.kind = synthetic (budgets from data "
-                     "files need data.kind = math; the synthetic task states budgets with data.target_lengths)",
-                     self.budget_key)
+            _require(self.kind == "math" or self.synthetic.budgets_by_terms is not None, "data.budget_key",
+                     "null with data.kind = synthetic unless data.synthetic.budgets_by_terms is set (the synthetic "
+                     "rows' budgets)", self.budget_key)
             _require(rng is None and tl is None, "data.budget_key", "null when data.target_length_range or "
                      "data.target_lengths is set (one source of per-prompt budgets)", self.budget_key)
+        if self.kind == "synthetic" and self.synthetic.budgets_by_terms is not None:
+            _require(self.budget_key is not None, "data.synthetic.budgets_by_terms", "null unless data.budget_key names "
+                     "the rows' budget field", list(self.synthetic.budgets_by_terms))
 
     def stated_budgets(self) -> list[int] | None:
         """Every target a prompt can state (target_lengths, or every integer of target_length_range), or None."""
@@ -334,11 +362,11 @@ a micro-batch of its own; PP > 1 pads each pack's tail to the longest pack.
 16k-token packs measured on one H100 at the 1.5B shape, as verl's default
 ppo_max_token_len_per_gpu (verl/trainer/config/actor/actor.yaml) (inferred).
 The NeMo-Aligner actor ignores it (NeMo's own micro-batches)""", ge=0)
-    recompute_layers: Optional[int] = opt(None, """megatron-core actor: layers per pipeline stage whose activations are
-recomputed in backward (megatron's full recompute of the first N layers; N >= the
-stage's layers: all). null = chosen by memory: on GPU, at every step, the fewest
-that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
-(none where all fit); none on CPU""", ge=0)
+    recompute_layers: Optional[int] = opt(None, """layers per pipeline stage whose activations are recomputed in backward
+(megatron's full recompute of the first N layers; N >= the stage's layers: all;
+both actors). null = chosen by memory: on GPU, at every step, the fewest that let
+the largest micro-batch fit the device by laconic_nemo/actors/memory.py (none
+where all fit); none on CPU""", ge=0)
     clip_eps: float = opt(0.2, "epsilon of the clipped ratio (lower side; and upper side unless clip_eps_high)", gt=0,
                           lt=1)
     clip_eps_high: Optional[float] = opt(None, "optional larger upper clip (DAPO clip-higher); null = clip_eps", gt=0)
@@ -354,8 +382,9 @@ that let the largest micro-batch fit the device by laconic_nemo/actors/memory.py
     leave_one_out: bool = opt(False, "leave-one-out group mean")
     sort_by_length: bool = opt(True, """megatron-core actor, PP = 1: micro-batches of rows of similar length, each cut
 to its longest row (less padding; the same gradient up to float rounding)""")
-    logprob_chunk_size: int = opt(1024, """megatron-core actor: log-probs in chunks of this many positions (bounds the
-float32 copy of the [b, s, V/tp] logits; recomputed in backward)""", ge=1)
+    logprob_chunk_size: int = opt(1024, """log-probs in chunks of this many positions (bounds the float32 copy of the
+[b, s, V/tp] logits; recomputed in backward); the NeMo-Aligner actor: this many
+tokens (positions x rows of its padded micro-batches)""", ge=1)
     reference_on: str = opt("auto", """megatron-core actor, kl_beta > 0: where pi_ref's weights live: device (beside
 the weights, swapped by pointer, no copy; on CPU too) | pinned (GPU only: pinned
 host memory, async copies; for models whose second copy does not fit) |
@@ -495,8 +524,15 @@ prompts (DeepScaleR problems in the chat template) are a few hundred tokens""", 
 of this many rows (same tokens)""", ge=1)
     kv_cache_memory_fraction: float = opt(0.3, """the cache's largest share of the device's memory
 (GPU: its total memory; CPU: physical RAM), checked before it is
-allocated; plan checks it against --gpu-memory-gib. Inferred: leaves
-the rest to weights, Adam and activations""", gt=0, le=1)
+allocated; plan checks it against --gpu-memory-gib and against what the
+training step leaves beside it (laconic_nemo/actors/memory.py). Inferred""", gt=0, le=1)
+    engine_memory: str = opt("resident", """resident: the decode engine's KV cache, row buffers and CUDA graphs stay
+allocated between rollouts and count in the training step's memory (plan and
+the recompute chosen by memory budget them); release: freed after every
+rollout, allocated and the graphs captured again at the next (the training
+step gets the memory; costs the captures every step). Inferred: resident,
+the flagship recipes fit with it (docs/architecture.md, "Rollout engine")""",
+                             choices=("resident", "release"))
     vllm: VllmConfig = section(VllmConfig, "rollout.engine = vllm (GPU, model.source = hf): laconic_nemo/rollout/vllm.py")
 
     def __post_init__(self):
@@ -602,7 +638,8 @@ class Config:
         _require(not SHAPERS[lc.shaper].needs_targets or self.data.stated_budgets() is not None,
                  "data.target_length_range", f"[min, max] (or a set, data.target_lengths) with laconic.shaper = "
                  f"{lc.shaper} (the shaper needs per-prompt target lengths)", None)
-        if self.data.kind == "synthetic" and self.data.stated_budgets() is not None:
+        if self.data.kind == "synthetic" and (self.data.stated_budgets() is not None
+                                              or self.data.synthetic.stated_share > 0):
             # the stated target reaches the prompt through the synthetic task's character tokenizer
             text = str(self.data.target_instruction)
             missing = synthetic_unencodable(text, template=True)

@@ -12,7 +12,9 @@
 # Preemption: Slurm sends SIGUSR1 to this shell (--signal=B:USR1@...) or SIGTERM; the trap forwards
 # SIGUSR1 to the training step, the trainer checkpoints at the end of the current step and exits with
 # code 3, then this script requeues the job, which resumes from that checkpoint. Only exit code 3
-# requeues (a crash, even after a signal, ends the job), and at most MAX_REQUEUES times per job.
+# requeues (a crash, even after a signal, ends the job), and at most MAX_REQUEUES times per job. A step
+# that runs out of GPU memory ends the job (status 5) with the failing rank's line: the memory model's
+# prediction and the keys to change.
 #
 # Environment (defaults in brackets):
 #   RECIPE (required), HF_MODEL [none]: HF checkpoint (container path) converted when the .nemo is missing
@@ -99,6 +101,7 @@ if ! [[ "${MAX_REQUEUES}" =~ ^[0-9]+$ ]]; then
     exit 2
 fi
 PREEMPTED_EXIT=3   # the trainer's exit code after a signal-triggered checkpoint (laconic_nemo.nemo_entry)
+OOM_MARKER="laconic-nemo: out of memory"   # a step's last line when it ran out of GPU memory (status 5, fatal)
 RUN_NAME="$(basename "${RECIPE}" .yaml)"
 # run.output_dir of the recipes is /results/${run.name}: the same folder seen from the host.
 JOB_LOG_DIR="${RESULTS_DIR}/${RUN_NAME}/logs/job_${JOB_ID}_restart${RESTART}"
@@ -245,6 +248,18 @@ fi
 if [ "${PREEMPTED}" = "1" ]; then
     echo "laconic-nemo: training exited with status ${STATUS} after the signal, not ${PREEMPTED_EXIT}" \
          "(no checkpoint confirmed): not requeueing"
+fi
+# A step that ran out of GPU memory (status 5 on that rank; srun may report another status once the other ranks
+# are stopped) is fatal too: a resumed run would run out again. That rank's last line names the memory model's
+# prediction and the keys to change; it becomes this job's last line.
+OOM_LINE=""
+if [ "${STATUS}" != "0" ]; then
+    OOM_LINE="$(grep -h "${OOM_MARKER}" "${JOB_LOG_DIR}/train.log" 2> /dev/null | tail -n 1)" || OOM_LINE=""
+fi
+if [ -n "${OOM_LINE}" ]; then
+    echo "laconic-nemo: training exited with status ${STATUS}: a step ran out of GPU memory; not requeueing"
+    echo "${OOM_LINE}"
+    exit "${STATUS}"
 fi
 echo "laconic-nemo: training exited with status ${STATUS}"
 exit "${STATUS}"

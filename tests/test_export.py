@@ -20,6 +20,7 @@ pytest.importorskip("megatron.core")
 import export_checks  # noqa: E402
 
 from laconic_nemo.cli import main as cli_main  # noqa: E402
+from laconic_nemo.core.dual import DualController, shaper_state  # noqa: E402
 from laconic_nemo.tools.export import ExportError, export_hf  # noqa: E402
 from tests.hf_fixtures import save_tiny_qwen2  # noqa: E402
 
@@ -138,7 +139,8 @@ def test_nemo_aligner_run_is_named(tmp_path):
     the export names the run's kind instead of reporting missing megatron-core shards."""
     ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
     ckpt.mkdir(parents=True)
-    state = {"step": 3, "config": {"model": {"source": "nemo"}, "parallel": {"tensor_model_parallel_size": 2}}}
+    state = {"step": 3, "shaper": shaper_state("laconic", DualController(budget=100.0, eta=0.01)),
+             "config": {"model": {"source": "nemo"}, "parallel": {"tensor_model_parallel_size": 2}}}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     (ckpt.parent / "latest").write_text(ckpt.name)
     with pytest.raises(ExportError, match="a NeMo-Aligner run"):

@@ -291,6 +291,31 @@ def test_finished_run_is_not_requeued(tmp_path):
     assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
 
 
+@pytest.mark.parametrize("srun_status", [5, 1])
+def test_out_of_memory_ends_the_job_with_the_ranks_line(tmp_path, srun_status):
+    """A step that ran out of GPU memory: the train step's rank exits 5 with its line in train.log (srun may report
+    another status once the other ranks lost their peer). The job is not requeued and its last line is that line:
+    the memory model's prediction and the keys to change."""
+    from laconic_nemo.grpo.trainer import OOM_MARKER
+
+    bin_dir = _fake_bin(tmp_path)
+    oom = f"{OOM_MARKER} in the policy update of step 1 on rank 3 (CUDA out of memory): the memory model predicted X"
+    srun = bin_dir / "srun"
+    srun.write_text(srun.read_text().replace("case \"$*\" in", f'''case "$*" in
+  *nemo_entry*torch_env*|*torch_env*nemo_entry*)
+    for a in "$@"; do case "$a" in --output=*) log="${{a#--output=}}" ;; esac; done
+    printf '3: step 1 starts\\n3: %s\\n0: another line\\n' "{oom}" > "$log"
+    exit {srun_status} ;;''', 1))
+    env = _env(DRY_RUN="0", PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="779", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="node-x[1-2]", RESULTS_DIR=str(tmp_path / "results"))
+    out = subprocess.run(["bash", str(LAUNCH / "deepseek_b1500.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == srun_status, out.stdout + out.stderr
+    assert "scontrol requeue" not in (tmp_path / "calls.log").read_text()
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-1] == f"3: {oom}" and "ran out of GPU memory; not requeueing" in lines[-2], lines[-3:]
+
+
 def test_shellcheck_clean():
     exe = shutil.which("shellcheck")
     if exe is None:

@@ -152,14 +152,102 @@ def test_plan_prints_the_training_memory_of_the_megatron_core_actor(capsys):
 
     qwen3 = str(Path(__file__).resolve().parent.parent / "recipes" / "qwen3_8b_b1000.yaml")
     lines = {}
-    for tokens in (16384, 131072):
+    for tokens in (8192, 65536):
         assert main(["plan", qwen3, "--nodes", "4", "--skip-path-checks", f"grpo.micro_batch_tokens={tokens}"]) == 0
         out = capsys.readouterr().out
         (line,) = [x for x in out.splitlines() if x.startswith("train memory")]
         lines[tokens] = line
-    assert "packs of 16384 tokens" in lines[16384] and "no recompute" in lines[16384]
-    assert "recompute" in lines[131072] and "no recompute" not in lines[131072]
-    # the NeMo-Aligner actor (NeMo's own activation checkpointing) gets no such line
-    deepseek = str(Path(__file__).resolve().parent.parent / "recipes" / "deepseek_1.5b_b1500.yaml")
-    assert main(["plan", deepseek, "--nodes", "2", "--skip-path-checks"]) == 0
-    assert "train memory" not in capsys.readouterr().out
+    assert "packs of 8192 tokens" in lines[8192] and "no recompute" in lines[8192]
+    assert "recompute" in lines[65536] and "no recompute" not in lines[65536]
+    assert "decode engine 11.4 GiB resident" in lines[8192]  # its KV cache (11.25 GiB) counts in the peak
+    # packs that cannot fit even with every layer recomputed: refused before launch, naming the key
+    assert main(["plan", qwen3, "--nodes", "4", "--skip-path-checks", "grpo.micro_batch_tokens=131072"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit even with every layer recomputed" in err and "lower grpo.micro_batch_tokens" in err
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+DEEPSEEK = str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
+# DeepSeek-R1-Distill-Qwen-1.5B (config.json): untied output layer, qkv bias
+DS_PARAMS = memory.params_per_rank(QWEN_1_5B, tied=False)
+
+
+def _nemo_peak_with(n: int, rows: int = 4, width: int = 5120, dp: int = 16, micro_batches: int = 3,
+                    engine: float = 0.0) -> float:
+    """The NeMo-Aligner actor's peak with n layers recomputed, written out from the module docstring's terms:
+    bf16 weights, a float32 gradient buffer, 16 / DP bytes of sharded state; the layers at the rows x width tokens
+    of a micro-batch; the 16-bit logits kept, their gradient and the transposed copy's (3 x 2 V bytes a token, no
+    float32 copy of them); one log-prob chunk of 1024 // rows positions x rows; the resident engine."""
+    shape, tokens = QWEN_1_5B, rows * width
+    static = DS_PARAMS * (2 + 4 + 16 / dp)
+    layer = memory.layer_bytes_per_token(shape, 1, 2, "flash", width, fused_swiglu=True) * tokens
+    acts = (shape.layers - n) * layer + n * 2 * shape.hidden * tokens + (layer if n else 0)
+    logits = (8 + 2 * (3 * shape.hidden + 1) + 3 * 2 * shape.vocab) * tokens
+    chunk = 12 * (1024 // rows) * rows * shape.vocab
+    return static + engine + acts + logits + chunk
+
+
+def test_nemo_actor_peak_hand_worked():
+    """The NeMo-Aligner actor's terms for the flagship shape (4 rows x 5120 tokens, DP 16, the decode engine's 48-row
+    cache resident), against the peak written out term by term; the engine's memory: cache + Slots buffers + graph
+    pool by hand."""
+    kv = 2 * 28 * 48 * 5120 * 2 * 128 * 2
+    eng = memory.engine_bytes(kv, 48, 5120, QWEN_1_5B.vocab, QWEN_1_5B.hidden)
+    assert eng.buffers == 4 * 48 * QWEN_1_5B.vocab + 2 * 2 * 48 * 1536 + 12 * 49 * 5121
+    assert eng.graph_pool == 32 * 48 * QWEN_1_5B.vocab and eng.total == kv + eng.buffers + eng.graph_pool
+    mp = memory.nemo_actor_plan(QWEN_1_5B, 4, 5120, memory.H100_GIB, dp=16, params=DS_PARAMS, num_micro_batches=3,
+                                resident_bytes=eng.total)
+    for n in (0, 9, 28):
+        assert mp.peaks_gib[n] * memory.GIB == pytest.approx(_nemo_peak_with(n, engine=eng.total), rel=1e-12)
+    n = mp.recompute_layers
+    assert n is not None and mp.peaks_gib[n] <= mp.budget_gib < mp.peaks_gib[n - 1]
+    # NeMo-Aligner's own loss (from_parallel_logits_to_logprobs on the float32 logits of megatron's Float16Module):
+    # logits 4 V a token, its float32 log-softmax and clone 8 V, the one-hot and softmax gradient of its backward:
+    # above the device before any layer is counted
+    old_head = (4 + 8 + 8 + 4) * QWEN_1_5B.vocab * 4 * 5120
+    assert (old_head + DS_PARAMS * 7 + eng.total) / memory.GIB > mp.budget_gib
+
+
+def test_plan_prints_the_nemo_actors_training_memory_and_the_flagships_fit(capsys):
+    """`plan` prints the NeMo-Aligner actor's memory line (rows x width, the terms, the recompute that fits) and the
+    flagship recipes fit an 80 GB H100 by it, with the decode engine resident."""
+    from laconic_nemo.cli import main
+
+    for recipe in ("deepseek_1.5b_b1500", "deepscaler_1.5b_b2000"):
+        assert main(["plan", str(ROOT / "recipes" / f"{recipe}.yaml"), "--nodes", "2", "--skip-path-checks"]) == 0
+        out = capsys.readouterr().out
+        (i, line), = [(i, x) for i, x in enumerate(out.splitlines()) if x.startswith("train memory")]
+        terms = out.splitlines()[i + 1]
+        assert "NeMo-Aligner actor, 4 rows x 5120 tokens" in line and "does not fit" not in line
+        assert "layers per stage (peak" in line or "no recompute" in line
+        for term in ("logits + gradients", "log-prob chunk", "layers", "weights + grads + optimiser", "engine"):
+            assert term in terms
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.layout import plan_layout
+
+    p = plan_layout(load_config(DEEPSEEK), 2, 8, check_paths=False)
+    assert "recompute 9/28 layers per stage" in p.training_memory and "decode engine 6.8 GiB resident" in p.training_memory
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["grpo.micro_batch_size=12"], "grpo.micro_batch_size"),  # 12 rows x 5120 tokens: 52 GiB of logits alone
+    (["rollout.kv_cache_memory_fraction=0.6"], "rollout.kv_cache_memory_fraction"),
+])
+def test_a_nemo_recipe_that_cannot_fit_is_refused_before_launch(capsys, overrides, named):
+    """A setting that cannot fit one GPU is refused by `plan` (the launch's first step, exit 2) before anything is
+    allocated, naming the keys to change: the training step's peak even with every layer recomputed, or a KV-cache
+    share that leaves the training step too little (the engine may grow its cache up to that share)."""
+    from laconic_nemo.cli import main
+
+    assert main(["plan", DEEPSEEK, "--nodes", "2", "--skip-path-checks", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert named in err
+    if named == "grpo.micro_batch_size":
+        assert "does not fit even with every layer recomputed" in err and "rollout.engine_memory = release" in err
+    else:
+        assert "at most 0.4" in err and "the training step with every layer recomputed" in err
+    # off the cluster (`train` on this machine), the line is printed, not enforced against an H100
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.layout import plan_layout
+
+    plan_layout(load_config(DEEPSEEK, overrides), 2, 8, check_paths=False, cluster=False)

@@ -230,48 +230,6 @@ def gloo_world(monkeypatch):
 
 @pytest.mark.nemo
 @nemo_skip
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_shared_loss_through_nemo_logprobs_matches_float64_reference(gloo_world, temperature):
-    """The forward/loss function of the subclass, fed fixed logits, gives the shared GRPO loss of the
-    log_softmax(logits / T) log-probs (T = the loss's temperature, the rollout temperature) times the
-    micro-batch count (Megatron divides by it), and the same gradient."""
-    torch.manual_seed(0)
-    n, T, V = 3, 7, 11
-    tokens = torch.randint(0, V, (n, T))
-    plen, rlen = torch.tensor([2, 3, 2]), torch.tensor([4, 3, 5])
-    mask = response_mask(plen, rlen, T)
-    batch = TrainBatch(tokens=tokens, prompt_lengths=plen, response_lengths=rlen, response_mask=mask,
-                       advantages=torch.tensor([1.0, -0.5, 0.25]),
-                       old_logprobs=(torch.randn(n, T - 1) * 0.1 - 2.0) * mask)
-    logits = torch.randn(n, T, V, requires_grad=True)
-    num_tokens = float(mask.sum())
-    loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean", global_num_tokens=num_tokens,
-                                global_num_seqs=float(n), temperature=temperature)
-
-    cls = na.actor_model_class()
-    fake_self = SimpleNamespace(laconic_loss_fn=loss_fn, _laconic_metric_sums=torch.zeros(len(na.LOSS_METRICS),
-                                                                                           dtype=torch.float64))
-    fwd = cls.get_actor_forward_output_and_loss_func(fake_self)
-    d = na.train_batch_to_nemo(batch)
-    d["attention_mask"], d["position_ids"] = torch.ones(n, 1, T, T, dtype=torch.bool), torch.arange(T).expand(n, T)
-    out, loss_func = fwd(iter([d]), lambda tok, pos, att, labels=None: logits)
-    scaled, reduced = loss_func(out)
-    scaled.backward()
-
-    ref_logits = logits.detach().double().requires_grad_(True)
-    ref_lp = torch.log_softmax(ref_logits / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    ref_loss, _ = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
-                                    global_num_tokens=num_tokens, global_num_seqs=float(n))(
-        ref_lp, TrainBatch(tokens, plen, rlen, mask.double(), batch.advantages.double(), batch.old_logprobs.double()))
-    (ref_loss * 2).backward()  # 2 micro-batches configured (global 6 / micro 3)
-    assert torch.allclose(scaled.double(), ref_loss * 2, atol=1e-5)
-    assert torch.allclose(reduced["loss"].double(), ref_loss * 2, atol=1e-5)
-    assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=1e-5)
-    assert fake_self._laconic_metric_sums[na.LOSS_METRICS.index("loss")] == pytest.approx(float(ref_loss.detach()), abs=1e-5)
-
-
-@pytest.mark.nemo
-@nemo_skip
 def test_checkpoint_hooks_carry_laconic_state():
     cls = na.actor_model_class()
     parent = cls.__mro__[1]
@@ -347,6 +305,10 @@ def test_end_strings_are_single_tokens_for_nemo(tmp_path, family):
     assert set(configured) <= set(ends)
     tokens, to_check = _nemo_strategy_end_check(nemo_tok, ends)
     assert to_check == [] and nemo_tok.eos_id in tokens
+    # the decode engine's stop ids (rollout.engine: megatron) are the ids NeMo's own sampler ends on
+    from laconic_nemo.plan.model_folder import end_token_ids
+
+    assert sorted(end_token_ids(nemo_tok.text_to_ids, nemo_tok.eos_id, ends)) == sorted(set(tokens))
     chat_end = "<｜end▁of▁sentence｜>" if family == "deepseek" else "<|im_end|>"
     assert chat_end in ends
     foreign = "<|im_end|>" if family == "deepseek" else "<｜end▁of▁sentence｜>"
@@ -452,28 +414,6 @@ def test_nemo_sampler_writes_into_the_prompt_tensor(gloo_world, cpu_cuda_shims, 
         m.infer({"text": narrow, "length": lengths})
     wide, _ = na.pad_prompts([[10, 11, 52], [10, 53]], nemo_tok.eos_id, 4)
     assert m.infer({"text": wide, "length": lengths})["response_tokens"].shape[1] <= 3 + 4
-
-
-@pytest.mark.nemo
-@nemo_skip
-def test_inference_logprobs_at_the_sampling_temperature(gloo_world):
-    """Old and reference log-probs go through NeMo-Aligner's ``get_logprob_output_only_func``
-    (``megatron_gpt_reinforce_actor.py:210-229``, called by ``get_inference_log_probs`` and, under a CPU weight
-    swap, ``get_init_policy_logprobs``); the subclass feeds it ``logits / T``. Checked against float64."""
-    cls = na.actor_model_class()
-    torch.manual_seed(1)
-    n, T, V = 2, 6, 13
-    tokens = torch.randint(0, V, (n, T))
-    logits = torch.randn(n, T, V)
-    obj = object.__new__(cls)
-    obj.get_forward_output_only_func = lambda: (lambda it, model: (logits, None))
-    for temperature in (1.0, 0.6):
-        obj.laconic_logprob_temperature = temperature
-        fn = cls.get_logprob_output_only_func(obj, inference_only=True)
-        out, id_func = fn(iter([[tokens, None, None]]), None)
-        got = id_func(out)
-        ref = torch.log_softmax(logits.double() / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        assert got.shape == (n, T - 1) and torch.allclose(got.double(), ref, atol=1e-5), temperature
 
 
 def _nemo_checkpoint_stack(monkeypatch):
@@ -763,7 +703,7 @@ def test_export_nemo_run_to_hf_matches_nemo_logits(gloo_world, cpu_cuda_shims, m
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
-    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": {"model": {
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "shaper": {"shaper": "grpo"}, "config": {"model": {
         "source": "nemo", "path": "/checkpoints/base.nemo"}, "parallel": {"tensor_model_parallel_size": 1}}}))
     (run / "checkpoints" / "latest").write_text(step.name)
     sharded = model.sharded_state_dict()
@@ -828,7 +768,7 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
         calls.clear()
         actor = object.__new__(na.NemoAlignerActor)
         actor.model, actor.pad_id, actor.dp_rank, actor.rollout_engine = model, eos, 0, "megatron"
-        actor.vocab_size, actor._decode_engine = None, None
+        actor.vocab_size, actor._decode_engine, actor.engine_memory = None, None, "resident"
         actor.engine_settings = EngineSettings(sampler=sampler, sync_every=2, batch_buckets=(2, 4, 6), kv_block=4)
         out = actor.generate(prompts, sp)
         assert calls == ["prepare", "finish"]
@@ -840,6 +780,53 @@ def test_decode_engine_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypa
             assert torch.equal(getattr(out, k), getattr(ref, k)), (sampler, k)
         assert out.truncated.any() and (~out.truncated).any()
         assert engine.stats.compactions >= 1
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_decode_engine_memory_resident_or_released_on_a_real_nemo_model(gloo_world, cpu_cuda_shims, monkeypatch,
+                                                                         tmp_path):
+    """``rollout.engine_memory``. resident: the engine keeps its cache, buffers and graphs between rollouts and the
+    NeMo actor's training plan counts them (``memory.live_engine_bytes``). release: after every rollout the engine
+    holds nothing (the plan counts no engine), the next rollout allocates again and captures its steps again (the
+    capture's warm-up sequence, rehearsed on CPU) and samples the same tokens as the resident engine."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from laconic_nemo.actors import memory
+    from laconic_nemo.grpo.interfaces import SamplingParams
+    from laconic_nemo.rollout.engine import EngineSettings
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=2, kv_heads=2))
+    monkeypatch.setattr(mp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+    model.prepare_for_inference = model.finish_inference = lambda: None
+    eos = model.tokenizer.eos_id
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, eos_id=eos, seed=4)
+    outs, plans, engines = {}, {}, {}
+    for mode in ("resident", "release"):
+        actor = object.__new__(na.NemoAlignerActor)
+        actor.model, actor.pad_id, actor.dp_rank, actor.dp_size, actor.rollout_engine = model, eos, 0, 1, "megatron"
+        actor.vocab_size, actor._decode_engine, actor.engine_memory = None, None, mode
+        actor.logprob_chunk_size = 1024
+        actor.engine_settings = EngineSettings(sampler="exact", batch_buckets=(2, 4), kv_block=4, rehearse_graphs=True)
+        outs[mode] = [actor.generate(prompts, sp) for _ in range(2)]
+        engine = actor.decode_engine()
+        if mode == "release":
+            assert engine.cache is None and engine.slots is None and not engine.runner.rehearsed
+        else:
+            assert engine.cache is not None and engine.runner.rehearsed
+        plans[mode], engines[mode] = actor.plan_memory(4, 12, 1, device_gib=80.0), engine
+    assert plans["release"].resident_gib == 0.0
+    kv = engines["resident"].cache.shape.nbytes
+    assert plans["resident"].resident_gib * memory.GIB == pytest.approx(memory.live_engine_bytes(engines["resident"]))
+    assert plans["resident"].resident_gib * memory.GIB > kv > 0  # the cache, its buffers (no graph pool on CPU)
+    assert plans["resident"].peaks_gib[0] - plans["release"].peaks_gib[0] == pytest.approx(plans["resident"].resident_gib)
+    for a, b in zip(outs["resident"] + outs["release"], outs["resident"][:1] * 4):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
 
 
 @pytest.mark.nemo
@@ -886,3 +873,147 @@ def test_nemo_loggers_carry_every_metric_and_resume_without_duplicates(tmp_path,
     history = [h for _, rows in runs for h in rows]
     assert [h["trainer/global_step"] for h in history] == [1, 2, 3, 4]
     assert [h["lambda"] for h in history] == pytest.approx([0.01, 0.02, 0.03, 0.14])  # 3: the first write stays
+
+
+def _no_cuda_rng_tracker(monkeypatch):
+    """megatron's training forward forks its CUDA RNG tracker around dropout (0 here); CPU has none."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    monkeypatch.setattr(mp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+
+
+def _saved_storages(fn):
+    """Run ``fn()``; return {storage pointer: (dtype, numel)} of every distinct storage autograd saves during it."""
+    seen: dict[int, tuple] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), (t.dtype, t.untyped_storage().nbytes() // t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
+@pytest.mark.nemo
+@nemo_skip
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_nemo_actor_logprobs_are_chunked_and_equal_float64(gloo_world, cpu_cuda_shims, monkeypatch, tmp_path,
+                                                            temperature):
+    """The NeMo-Aligner actor's log-probs, through a real NeMo ``MegatronGPTModel`` (local spec, fp32, CPU): the loss
+    of its forward/loss function (``get_actor_forward_output_and_loss_func``) and the inference log-probs of its
+    ``get_logprob_output_only_func`` equal float64 log_softmax(logits / T) of the model's own logits, and the logits'
+    gradient equals the float64 reference loss's, with log-prob chunks of 2 positions (6 tokens over 3 rows, so
+    every chunk is recomputed in backward). Nothing of the size of the ``[b, s, V]`` logits is saved for backward
+    beside them: NeMo-Aligner's ``from_parallel_logits_to_logprobs`` saved its float32 softmax there
+    (``nemo_aligner/utils/distributed.py:305-323``)."""
+    from nemo.collections.nlp.modules.common.megatron.utils import get_ltor_masks_and_position_ids
+
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    hf = save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=2, kv_heads=2)
+    model = _nemo_gpt_model(monkeypatch, hf)
+    _no_cuda_rng_tracker(monkeypatch)
+    gpt = model.model
+    gpt.train()
+    cls = na.actor_model_class()
+    n, T = 3, 11
+    V = gpt.vocab_size
+    tokens = torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(1))
+    plen, rlen = torch.tensor([2, 3, 2]), torch.tensor([6, 8, 9])
+    mask = response_mask(plen, rlen, T)
+    batch = TrainBatch(tokens=tokens, prompt_lengths=plen, response_lengths=rlen, response_mask=mask,
+                       advantages=torch.tensor([1.0, -0.5, 0.25]),
+                       old_logprobs=(torch.randn(n, T - 1, generator=torch.Generator().manual_seed(2)) * 0.1 - 5.0)
+                       * mask)
+    num_tokens = float(mask.sum())
+    loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean", global_num_tokens=num_tokens,
+                                global_num_seqs=float(n), temperature=temperature)
+    obj = object.__new__(cls)  # the subclass's own functions, on the real model
+    obj.laconic_loss_fn, obj.laconic_logprob_chunk = loss_fn, 6
+    obj._laconic_metric_sums = torch.zeros(len(na.LOSS_METRICS), dtype=torch.float64)
+    d = na.train_batch_to_nemo(batch)
+    att, _, pos = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
+    d["attention_mask"], d["position_ids"] = att.expand(n, -1, -1, -1), pos.expand(n, -1)
+
+    fwd = cls.get_actor_forward_output_and_loss_func(obj)
+    out, loss_func = fwd(iter([d]), gpt)
+    out.retain_grad()
+    (scaled, reduced), saved = _saved_storages(lambda: loss_func(out))
+    logits_storage = out.untyped_storage().data_ptr()  # the chunks' inputs are views of the logits
+    assert not [v for p, v in saved.items() if p != logits_storage and v[1] >= n * T * V], saved
+    scaled.backward()
+
+    ref_logits = out.detach().double().requires_grad_(True)
+    ref_lp = torch.log_softmax(ref_logits / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    ref_loss, _ = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
+                                    global_num_tokens=num_tokens, global_num_seqs=float(n))(
+        ref_lp, TrainBatch(tokens, plen, rlen, mask.double(), batch.advantages.double(), batch.old_logprobs.double()))
+    (ref_loss * 2).backward()  # 2 micro-batches configured (global 6 / micro 3)
+    assert torch.allclose(scaled.double(), ref_loss * 2, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(reduced["loss"].double(), ref_loss * 2, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(out.grad.double(), ref_logits.grad, atol=1e-7, rtol=1e-4)
+    assert out.grad.abs().max() > 0
+    assert obj._laconic_metric_sums[na.LOSS_METRICS.index("loss")] == pytest.approx(float(ref_loss.detach()), abs=1e-6)
+
+    # inference: old / reference log-probs at the sampling temperature, the same chunks, under no_grad
+    obj.laconic_logprob_temperature = temperature
+    with torch.no_grad():
+        fn = cls.get_logprob_output_only_func(obj, inference_only=True)
+        logits, id_func = fn(iter([[tokens, att.expand(n, -1, -1, -1), pos.expand(n, -1)]]), gpt)
+        got = id_func(logits)
+    ref = torch.log_softmax(logits.double() / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    assert got.shape == (n, T - 1) and torch.allclose(got.double(), ref, atol=1e-6)
+    assert torch.allclose(logits, out.detach(), atol=1e-5)  # the training forward's logits (dropout 0)
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_nemo_actor_loss_reads_the_16_bit_logits_inside_float16module(gloo_world, cpu_cuda_shims, monkeypatch,
+                                                                      tmp_path):
+    """With ``megatron_amp_O2`` NeMo wraps the GPTModel in megatron's ``Float16Module``, whose forward returns a
+    float32 copy of the ``[b, s, V]`` logits on the last stage (``megatron/core/transformer/module.py:175-181``).
+    The actor's loss calls the GPTModel inside it: the logits it sees are bf16 and no float32 tensor of their size
+    is saved for backward."""
+    import copy
+
+    from megatron.core.transformer.module import Float16Module
+    from nemo.collections.nlp.modules.common.megatron.utils import get_ltor_masks_and_position_ids
+
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=2, kv_heads=2))
+    _no_cuda_rng_tracker(monkeypatch)
+    gpt = copy.deepcopy(model.model)
+    config = copy.copy(gpt.config)
+    config.bf16 = True
+    wrapped = Float16Module(config, gpt).train()
+    n, T, V = 3, 9, gpt.vocab_size
+    tokens = torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(3))
+    att, _, pos = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
+    assert wrapped(tokens, pos.expand(n, -1), att.expand(n, -1, -1, -1)).dtype == torch.float32  # the wrapper's copy
+    plen, rlen = torch.tensor([2, 3, 2]), torch.tensor([5, 6, 7])
+    mask = response_mask(plen, rlen, T)
+    batch = TrainBatch(tokens, plen, rlen, mask, torch.tensor([1.0, -0.5, 0.25]), torch.full((n, T - 1), -5.0) * mask)
+    cls = na.actor_model_class()
+    obj = object.__new__(cls)
+    obj.laconic_loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
+                                            global_num_tokens=float(mask.sum()), global_num_seqs=float(n))
+    obj.laconic_logprob_chunk = 6
+    obj._laconic_metric_sums = torch.zeros(len(na.LOSS_METRICS), dtype=torch.float64)
+    d = na.train_batch_to_nemo(batch)
+    d["attention_mask"], d["position_ids"] = att.expand(n, -1, -1, -1), pos.expand(n, -1)
+
+    def forward_and_loss():
+        out, loss_func = cls.get_actor_forward_output_and_loss_func(obj)(iter([d]), wrapped)
+        return out, loss_func(out)[0]
+
+    (out, loss), saved = _saved_storages(forward_and_loss)
+    assert out.dtype == torch.bfloat16
+    assert not [v for v in saved.values() if v[0] == torch.float32 and v[1] >= n * T * V], saved
+    loss.backward()
+    assert all(p.grad is not None for p in gpt.parameters() if p.requires_grad)

@@ -2,7 +2,8 @@
 the HF -> .nemo conversion of ``prepare`` (one conversion per target, jobs at once, a job killed while it saves)
 and the final ``.nemo`` export, both through NeMo's ``NLPSaveRestoreConnector.save_to`` on a real tiny
 ``MegatronGPTModel``; the export of a run whose NeMo model has its own output layer; the LR schedule's length.
-Without NeMo: a preemption signal during the NeMo entry point's start-up."""
+Two ranks of the NeMo entry point stopped by a signal during NeMo's start-up. Without NeMo: a preemption signal
+during the NeMo entry point's start-up."""
 
 from __future__ import annotations
 
@@ -330,6 +331,63 @@ def test_entry_stops_with_status_3_on_a_signal_during_start_up(tmp_path, sig):
     assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
     assert f"stopped on signal {int(getattr(signal, 'SIG' + sig))} during start-up" in out.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@pytest.mark.nemo
+@pytest.mark.slow
+@nemo_skip
+@pytest.mark.usefixtures("gloo_world", "cpu_cuda_shims")
+def test_two_ranks_stop_with_status_3_on_a_signal_during_the_nemo_start_up(monkeypatch, tmp_path):
+    """Two ranks of the NeMo entry point over gloo (tests/dist/nemo_entry_rank.py: NeMo's and NeMo-Aligner's own
+    start-up on CPU), a ``model.source: nemo`` recipe on a real tiny .nemo; rank 1 gets SIGUSR1 while its model
+    loads, rank 0 none. A rank of a multi-rank start does not stop alone (the other would wait in a collective): both
+    go through ``load_from_nemo``, the Lightning trainer, ``init_distributed`` and ``init_using_ptl`` to the trainer,
+    agree on the stop and exit 3, which launch/submit.sh requeues (tests/test_launch.py), with nothing trained or
+    saved. Nothing on that way replaces the start-up handler: ``init_using_ptl``
+    (``nemo_aligner/utils/train_script_utils.py:105-125``) calls the ``on_fit_start`` hooks, not ``on_train_start``
+    where NeMo's PreemptionCallback installs its SIGTERM handler (``nemo/utils/callbacks/preemption.py:48-77``), and
+    never ``Trainer._run``, where Lightning registers its own (``lightning/pytorch/trainer/trainer.py:976``)."""
+    from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
+
+    from laconic_nemo.runtime.megatron_env import free_port
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1))
+    model._save_restore_connector = NLPSaveRestoreConnector()
+    model.save_to(str(tmp_path / "tiny.nemo"))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    args = [str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml"), f"model.path={tmp_path / 'tiny.nemo'}",
+            f"data.train_files=[{data}]", f"run.output_dir={out}", "grpo.num_prompts_per_step=2",
+            "grpo.group_size=2", "grpo.minibatch_size=4", "grpo.micro_batch_size=1", "rollout.max_new_tokens=8",
+            "laconic.budget=4", "reward.num_workers=1", "logging.tensorboard=false",
+            "nemo.trainer.accelerator=cpu", "nemo.trainer.devices=2", "nemo.trainer.precision=32",
+            "nemo.model.precision=32", "nemo.model.megatron_amp_O2=false",
+            "nemo.model.gradient_as_bucket_view=true"]  # in NeMo's megatron_qwen2_config.yaml, not in this .nemo
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SIGNAL_RANK": "1",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist" / "nemo_entry_rank.py"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=HANG_GUARD_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 3, (rank, p.returncode, text[-3000:])
+    assert "stopped on a signal during start-up; nothing to save yet" in outputs[0]  # rank 0 logs it
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]  # rank 1 went on after its signal
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists() and not (out / "run.lock").exists()
 
 
 @pytest.mark.nemo

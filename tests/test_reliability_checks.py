@@ -406,6 +406,8 @@ CHECKED_ELSEWHERE = [
     ("data.prompt_template", "nosuch", "data.prompt_template = 'nosuch'"),
     ("data.target_length_range", "[5,1]", "data.target_length_range = [5, 1] is invalid"),
     ("data.synthetic.reasoning_marker", "</think>", "data.synthetic.reasoning_marker = '</think>' is invalid"),
+    ("data.synthetic.stated_range", "[5,1]", "data.synthetic.stated_range = [5, 1] is invalid"),
+    ("data.synthetic.budgets_by_terms", "[1,2]", "data.synthetic.budgets_by_terms = [1, 2] is invalid"),
     ("checkpoint.resume", "/nonexistent/step_000001", "checkpoint.resume = '/nonexistent/step_000001' is invalid"),
     ("checkpoint.resume_allow_changes", "[no.such]", "checkpoint.resume_allow_changes = 'no.such' is invalid"),
     ("run.output_dir", "/proc/laconic_out", "run.output_dir = '/proc/laconic_out' is invalid"),
@@ -420,6 +422,7 @@ CHECKED_ELSEWHERE = [
     ("laconic.reasoning_marker", "''", "laconic.reasoning_marker = '' is invalid"),
     ("laconic.per_prompt_budget", "true", "laconic.per_prompt_budget = True is invalid"),
     ("laconic.budget_classes", "[10,20]", "laconic.budget_classes = [10.0, 20.0] is invalid"),
+    ("model.shape_from", "/nonexistent/config.json", "model.shape_from = '/nonexistent/config.json' does not fit"),
 ]
 # keys any value of whose type is valid
 FREE = {"run.name", "data.target_instruction", "data.shuffle", "grpo.leave_one_out", "grpo.sort_by_length",

@@ -304,3 +304,24 @@ def test_full_disk_is_named_in_the_launchers_last_line(tmp_path):
     last = run.out.rstrip().splitlines()[-1]
     assert last.startswith("laconic-nemo train: failed: rank ") and ": No space left on device" in last, last
     assert "checkpoints/step_000001.tmp/model_tp0" in last  # the rank's own line names the file
+
+
+def test_out_of_memory_in_a_training_step_is_fatal_and_names_the_prediction(tmp_path):
+    """torch.OutOfMemoryError inside rank 0's first optimiser step (fault point ``train_step``, after its
+    micro-batches' forward and backward): the run ends with status 5 (launch/submit.sh requeues only 3), no
+    checkpoint of that step, no traceback of it, and the launcher's last line names that rank (rank 1 fails too, its
+    peer gone from a collective) with its line: the phase and step, the memory model's prediction for its
+    micro-batches and the keys to change."""
+    out = tmp_path / "run"
+    run = launch([*BASE, "warmup.num_steps=0", f"warmup.cache_dir={tmp_path / 'c'}"], out,
+                 fault="train_step@1:0:oom", timeout=400)
+    assert run.rc == 5, run.out[-3000:]
+    assert "OutOfMemoryError" not in run.out and "[rank0]: Traceback" not in run.out, run.out[-3000:]  # one line
+    last = run.out.rstrip().splitlines()[-1]
+    assert last.startswith("laconic-nemo train: failed: rank 0 ") and "exited with status 5" in last, last
+    assert "the first rank to fail: laconic-nemo: out of memory" in last, last
+    assert "laconic-nemo: out of memory in the policy update of step 1 on rank 0 (CUDA out of memory" in last, last
+    assert "the memory model predicted activations" in last and "micro-batch of" in last, last
+    assert "logits + gradients" in last and "change grpo.micro_batch_size" in last, last
+    assert "grpo.recompute_layers" in last and "Not requeued (status 5)" in last, last
+    assert ls(out / "checkpoints") == []

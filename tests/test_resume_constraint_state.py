@@ -3,9 +3,9 @@ each budget class is restored by its key and the tail constraint by its settings
 launch unless ``checkpoint.resume_allow_changes`` says how to carry it over, and a bad value inside a
 checkpoint's state ends in one line naming the file and the key, or falls back to the previous checkpoint.
 
-One run of ``tiny_cpu_stated.yaml`` with a tail constraint (classes 22 and 40; checkpoints after steps 2 and 4);
-each probe works on a copy of its folder, ``trainer_state.json`` edited with its manifest updated to match (size
-and CRC-32), as a hand edit that keeps the checkpoint "intact" would:
+One run of ``tiny_cpu_stated.yaml`` with stated budgets 22 and 40 and a tail constraint (checkpoints after steps 2
+and 4); each probe works on a copy of its folder, ``trainer_state.json`` edited with its manifest updated to match
+(size and CRC-32), as a hand edit that keeps the checkpoint "intact" would:
 
 * class 22 removed from step 4's state: refused before launch (status 2, one line naming class 22, the checkpoint
   and ``class:new``); the same check in the ranks (the pre-flight skipped) gives the same one line; with
@@ -35,7 +35,7 @@ from tests.test_trainer_e2e import FAST, ROOT, strip_timing
 pytestmark = pytest.mark.slow
 
 STATED = str(ROOT / "recipes" / "tiny_cpu_stated.yaml")
-ARGS = [STATED, *FAST, "rollout.max_new_tokens=48", "laconic.ceiling=2.0", "laconic.tail_budget=30",
+ARGS = [STATED, *FAST, "data.target_lengths=[22,40]", "rollout.max_new_tokens=48", "laconic.ceiling=2.0", "laconic.tail_budget=30",
         "laconic.tail_share=0.2", "laconic.tail_eta=0.3", "run.num_steps=4", "checkpoint.every_n_steps=2",
         "checkpoint.keep_last=3", "logging.tensorboard=false"]
 RANKS_ONLY = {"LACONIC_PREFLIGHT_DONE": "1"}  # the launcher skips its pre-flight: the ranks' own checks decide

@@ -165,22 +165,25 @@ def _close(predicted, observed, rel=0.25):
 
 
 def test_fit_to_the_main_job_predicts_its_integral_response():
-    """The main job's integral run: the length falls from 47 to a plateau near 34.5, drops to 28.6 at step 36
-    and stays near 29 (6% under B) while lambda decays from 0.42 to 0.31, so it never settles within +-5% of
-    B. The model fitted in open loop (driven by the run's lambdas) stays within 1.5 tokens rms of the lengths;
-    closed again with the same controller (eta 0.05, Lambda 1) it predicts, within 25%: no settling within the
-    70 steps (the noise-free run and every noisy one), the first step at or below B, the final error, and the
-    undershoot of the noisy runs (the undershoot is the minimum of measured lengths, so it includes their
-    noise; the noise-free run's 8.0% is 27% under the observed 10.9%), and lambda's path within 0.03."""
+    """The main job's integral run (the pinned CPU kernels): the length falls from 45 to a plateau near 34 (10% above
+    B) by step 20 and stays there while lambda rises steadily to 0.55 at step 70: it never reaches B. The model
+    fitted in open loop (driven by the run's lambdas) stays within 1.5 tokens rms of the lengths and explains the
+    plateau: its target flattens within a token of the plateau, above B, so no lambda brings the length to B (its
+    equilibrium lambda is infinite). Closed again with the same controller (eta 0.05, Lambda 1) it predicts, within
+    25%: no settling within the 70 steps and no step at or below B (the noise-free run and every noisy one), the
+    final error and no undershoot, and lambda's path within 0.03."""
     from laconic_nemo.tools.simulate import _free_run, _g
 
     lam, L, budget = read_trajectory(MAIN)
     observed = response_metrics(L, budget)
-    assert observed["settling_step"] is None and observed["first_at_budget"] == 36
+    assert observed["settling_step"] is None and observed["first_at_budget"] is None
     model = fit_length_model(lam, L)
     free = _free_run([model.a / model.tau, -model.b / model.tau, -1.0 / model.tau], model.delay,
                      _g(lam, model.scale), model.l0)
     assert float(np.sqrt(np.mean((free - L) ** 2))) < 1.5
+    plateau = float(np.mean(L[-20:]))
+    assert abs(model.a - model.b * model.scale - plateau) < 1.0 and plateau > budget
+    assert model.equilibrium_lambda(budget) == np.inf
     pred = predict(model, lambda: DualController(budget, 0.05, ceiling=1.0), len(L), seeds=40)
     assert _close(pred["settling_step"], observed["settling_step"])
     assert _close(pred["settling_step_median"], observed["settling_step"]) and pred["settled_frac"] == 0.0
@@ -209,7 +212,10 @@ def test_cli_scale_sigma_and_noise_free_grid(tmp_path, capsys):
     grid = json.loads(out_json.read_text())
     assert grid["model"]["scale"] == float("inf") and grid["model"]["sigma"] == 0.0
     by_eta = {r["eta"]: r for r in grid["rows"]}
-    assert by_eta[0.1]["settle_noiseless"] == by_eta[0.1]["settle_median"] < by_eta[0.05]["settle_median"]
+    for r in grid["rows"]:  # without noise every noisy run is the noise-free one: the same settling step
+        assert r["settle_median"] == (np.inf if r["settle_noiseless"] is None else r["settle_noiseless"])
+    # a larger dual step prices length sooner: a smaller final error on the linear target
+    assert by_eta[0.1]["final_error"] < by_eta[0.05]["final_error"]
 
 
 def test_dual_controllers_benchmark_prints_measured_beside_predicted(capsys, tmp_path):

@@ -227,3 +227,24 @@ def test_plan_and_the_trainer_build_the_same_constraints(tmp_path):
     lines = build_step_one(per.cfg).constraints
     assert per.dual is None and per.classes.names == ["20", "45", "90"]
     assert any("3 classes" in line and "20 (lambda_init 0" in line for line in lines)
+
+
+def test_every_shaper_with_stated_targets_reports_each_budget_class(tmp_path):
+    """budget_class/<b>/...: per stated target b, over the batch: the mean of L / b, the shares within 10% of b and
+    over it, pass@1; for L1 (no multipliers) as for LACONIC's classes. Every group's lengths are 10, 20, ..., 80."""
+    L = [10, 20, 30, 40, 50, 60, 70, 80]
+    for ov in (["laconic.shaper=l1_max", "laconic.alpha=0.01"], ["laconic.shaper=l1_exact", "laconic.alpha=0.01"],
+               ["laconic.per_prompt_budget=true"]):
+        t = make([*ov, "data.target_lengths=[20,45]"], tmp_path / ov[0].split("=")[1])
+        _, targets = t._prompt_texts(0, t.sampler.batch(0))
+        m = t.train_step(0)
+        for b in (20, 45):
+            if b not in targets:
+                assert f"budget_class/{b}/length_ratio" not in m
+                continue
+            assert m[f"budget_class/{b}/length_ratio"] == pytest.approx(45 / b)
+            assert m[f"budget_class/{b}/within_10"] == sum(abs(x - b) <= 0.1 * b for x in L) / 8  # 20: 1/8; 45: 0
+            assert m[f"budget_class/{b}/over_budget"] == sum(x > b for x in L) / 8
+            assert m[f"budget_class/{b}/pass@1"] == 1.0
+    # no stated targets, no classes: no report (the main job's metrics are unchanged)
+    assert not any(k.startswith("budget_class/") for k in make([], tmp_path / "plain").train_step(0))

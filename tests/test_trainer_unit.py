@@ -99,8 +99,9 @@ def test_warmup_cache_key_follows_what_changes_the_warmed_up_policy(tmp_path):
 
 
 def test_warmup_cache_key_names_code_versions_and_threads(tmp_path, monkeypatch):
-    """A policy warmed up by other code, other torch / megatron-core versions or another thread count (each of
-    which changes its floats) is cached under another key, so it is never loaded in place of this one."""
+    """A policy warmed up by other code, other torch / megatron-core versions, another thread count or other CPU
+    kernels (each of which changes its floats) is cached under another key, so it is never loaded in place of this
+    one."""
     from laconic_nemo.app import warmup
 
     cfg = load_config(TINY, [f"warmup.cache_dir={tmp_path}"])
@@ -110,6 +111,12 @@ def test_warmup_cache_key_names_code_versions_and_threads(tmp_path, monkeypatch)
     monkeypatch.setenv("LACONIC_THREADS", "2")
     assert warmup.warmup_cache_dir(cfg, 2) == warmup.warmup_cache_dir(cfg, 2, threads=2)
     monkeypatch.delenv("LACONIC_THREADS")
+    # the CPU kernels' instruction set: pinned, the key is the same on every machine; another choice, another key
+    pinned = {"pin": "avx2", "machine": "x86_64", "aten": "AVX2", "mkl_cbwr": "COMPATIBLE"}
+    own = {"pin": None, "machine": "x86_64", "aten": "AVX512", "mkl_cbwr": None, "cpu": "some CPU"}
+    assert warmup.warmup_cache_dir(cfg, 2, isa=pinned) == warmup.warmup_cache_dir(cfg, 2, isa=dict(pinned))
+    assert warmup.warmup_cache_dir(cfg, 2, isa=pinned) != warmup.warmup_cache_dir(cfg, 2, isa=own)
+    assert warmup.warmup_cache_key(cfg, 2, isa=own)["cpu_isa"] == own
     versions = warmup.library_versions()
     assert set(versions) == {"python", "torch", "megatron-core"} and versions["megatron-core"] == "0.11.0"
     monkeypatch.setattr(warmup, "library_versions", lambda: {**versions, "torch": "2.12.0+cpu"})

@@ -46,7 +46,8 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
     ``padded_vocab_size`` (multiple of TP), ``pad_id`` (fills rows after their end in generated tokens;
     None = the EOS id), ``micro_batch_tokens`` (token budget of a packed micro-batch; 0 = rows of
     ``micro_batch_size``, padded). The keyword arguments are the recipe keys of the same names (``optim.*``,
-    ``grpo.*``, ``rollout.sampler`` / ``sync_every`` / ``compact``), checked where the recipe was loaded.
+    ``grpo.*``, ``rollout.sampler`` / ``sync_every`` / ``compact`` / ``engine_memory``), checked where the recipe was
+    loaded.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
         engine_settings: Any = None,
         micro_batch_tokens: int = 16384,
         recompute_layers: int | None = None,
+        engine_memory: str = "resident",
     ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -93,6 +95,7 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
         self.recompute_setting = None if recompute_layers is None else int(recompute_layers)
         self.recompute_layers = 0  # layers per stage recomputed by the last train_step
         self.memory_plan: memory.MemoryPlan | None = None  # the plan behind the last choice by memory (GPU)
+        self._last_shape: tuple[int, int, int] | None = None  # (tokens, longest sequence, micro-batches), last step
         self.reference_on = resolve_choice(reference_on, "device")
         if self.reference_on == "pinned" and not on_gpu:
             raise ValueError("grpo.reference_on=pinned needs a GPU (pinned host memory); use device, cpu or auto")
@@ -108,6 +111,9 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
         # the decode engine's settings (rollout.*; laconic_nemo.rollout.engine.EngineSettings), None: its defaults
         self.engine_settings = engine_settings
         self._decode_engine = None
+        if engine_memory not in ("resident", "release"):
+            raise ValueError(f"rollout.engine_memory = {engine_memory!r} is invalid: allowed resident or release")
+        self.engine_memory = engine_memory  # release: the engine's cache and graphs freed after every rollout
         if self.kl_beta > 0:
             self.reset_reference()
 
@@ -134,6 +140,7 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
             sort_by_length=grpo.sort_by_length,
             engine_settings=engine_settings_from_config(cfg, info.dp_size, info.device.type == "cuda"),
             micro_batch_tokens=grpo.micro_batch_tokens, recompute_layers=grpo.recompute_layers,
+            engine_memory=rollout.engine_memory,
         )
         if parts.hf_path is not None:
             from laconic_nemo.bridge import load_hf_checkpoint
@@ -199,7 +206,11 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
         if self.rollout_engine is not None:
             return self.rollout_engine.generate_from(self.model, self.step_count, prompts, sampling)
         with self._eval_mode():
-            return self.decode_engine().generate(prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+            try:
+                return self.decode_engine().generate(prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
+            finally:
+                if self.engine_memory == "release":  # the training step gets the cache's memory
+                    self._decode_engine.free()
 
     def decode_engine(self) -> DecodeEngine:
         """The decode engine on this rank's GPTModel (built on first use; ``sampler``, ``sync_every`` and

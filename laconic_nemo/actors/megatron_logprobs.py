@@ -27,42 +27,60 @@ from laconic_nemo.grpo.interfaces import TrainBatch
 from laconic_nemo.runtime.kernels import packed_seq_params
 
 
+def chunked_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int, tp_rank: int,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) [b, s] float32 at ``temperature`` (softmax of logits / temperature) from this rank's vocab shard
+    of the logits [b, s, V/tp] (any float dtype; vocab-parallel cross entropy, columns at or past ``vocab_size``, the
+    padding, excluded), without a float32 copy of the whole [b, s, V/tp] tensor.
+
+    Computed in sequence chunks of ``chunk`` positions (``b x chunk`` tokens), so at most one chunk's float32 copy
+    of the logits exists at a time; with autograd on, each chunk is recomputed in backward (activation
+    checkpointing) instead of keeping its float32 softmax. Both actors take their log-probs here: the megatron-core
+    actor over its GPTModel's logits, the NeMo-Aligner actor over the same GPTModel's (inside NeMo's
+    ``MegatronGPTModel``)."""
+    s = logits.shape[1]
+    if s <= chunk:
+        return _chunk_logprobs(logits, labels, temperature, vocab_size, tp_rank)
+    parts = []
+    for a in range(0, s, chunk):
+        lg, lb = logits[:, a : a + chunk], labels[:, a : a + chunk]
+        if torch.is_grad_enabled() and lg.requires_grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, lg, lb, temperature, vocab_size, tp_rank,
+                                                           use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(lg, lb, temperature, vocab_size, tp_rank))
+    return torch.cat(parts, dim=1)
+
+
+def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
+                    tp_rank: int) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    logits32 = logits.float()
+    if temperature != 1.0:
+        logits32 = logits32 / float(temperature)
+    part = logits32.shape[-1]
+    start = tp_rank * part
+    if start + part > vocab_size:
+        ids = torch.arange(start, start + part, device=logits32.device)
+        logits32 = logits32.masked_fill(ids >= vocab_size, torch.finfo(logits32.dtype).min)
+    if logits32.data_ptr() == logits.data_ptr():
+        # float32 logits at temperature 1, nothing masked: megatron's cross entropy subtracts the max and takes the
+        # exp IN PLACE on its input (megatron/core/tensor_parallel/cross_entropy.py:44, 65-66, megatron-core 0.11),
+        # which would overwrite the model's logits (and the input a checkpointed chunk is recomputed from)
+        logits32 = logits32.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits32, labels)
+
+
 class LogprobsMixin:
     """Per-token log-probs (:meth:`logprobs`), the micro-batches and megatron schedule they run through, and the
     reference policy."""
 
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """log p(labels) [b, s] float32 at ``temperature`` (softmax of logits / temperature) from this rank's vocab
-        shard of the logits [b, s, V/tp] (vocab-parallel cross entropy; padded vocabulary columns excluded).
-
-        Computed in sequence chunks of ``logprob_chunk_size`` positions, so at most one chunk's float32
-        copy of the logits exists at a time; with autograd on, each chunk is recomputed in backward
-        (activation checkpointing) instead of keeping its float32 softmax."""
-        s = logits.shape[1]
-        if s <= self.logprob_chunk_size:
-            return self._chunk_logprobs(logits, labels, temperature)
-        parts = []
-        for a in range(0, s, self.logprob_chunk_size):
-            lg, lb = logits[:, a : a + self.logprob_chunk_size], labels[:, a : a + self.logprob_chunk_size]
-            if torch.is_grad_enabled() and lg.requires_grad:
-                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, lg, lb, temperature,
-                                                               use_reentrant=False))
-            else:
-                parts.append(self._chunk_logprobs(lg, lb, temperature))
-        return torch.cat(parts, dim=1)
-
-    def _chunk_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        from megatron.core import tensor_parallel
-
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / float(temperature)
-        part = logits.shape[-1]
-        start = self.tp_rank * part
-        if start + part > self.vocab_size:
-            ids = torch.arange(start, start + part, device=logits.device)
-            logits = logits.masked_fill(ids >= self.vocab_size, torch.finfo(logits.dtype).min)
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        """log p(labels) [b, s] float32 at ``temperature`` from this rank's vocab shard of the logits [b, s, V/tp]:
+        :func:`chunked_token_logprobs` in chunks of ``logprob_chunk_size`` positions."""
+        return chunked_token_logprobs(logits, labels, self.logprob_chunk_size, self.vocab_size, self.tp_rank,
+                                      temperature)
 
     def _position_ids(self, b: int, s: int, start: int = 0) -> torch.Tensor:
         return torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)

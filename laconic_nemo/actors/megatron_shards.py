@@ -16,6 +16,25 @@ import torch.distributed as dist
 _LAYER_PREFIX = "decoder.layers."
 
 
+def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the host and everything else deep-copied:
+    what ``copy.deepcopy`` gives, but a device tensor is copied straight into host memory instead of into a new
+    device tensor first. A tensor held in two places stays one tensor, as with deepcopy."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().to("cpu", copy=True)
+    elif isinstance(obj, dict):
+        out = {k: host_copy(v, memo) for k, v in obj.items()}
+    elif type(obj) in (list, tuple):
+        out = type(obj)(host_copy(v, memo) for v in obj)
+    else:
+        return copy.deepcopy(obj)
+    memo[id(obj)] = out
+    return out
+
+
 class ShardsMixin:
     """This rank's state for checkpoints and the warm-up cache, and the unsharded weights / gradients."""
 
@@ -39,10 +58,11 @@ class ShardsMixin:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This rank's model, optimiser and scheduler state (deep copies, ``torch.save``-able)."""
+        """This rank's model, optimiser and scheduler state (host copies, ``torch.save``-able): no copy of a tensor
+        is made on the device (the optimiser state is 12 bytes a parameter, ~20 GB at 1.5B on one rank)."""
         return {
             "model": {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": host_copy(self.optimizer.state_dict()),
             "scheduler": {"step_count": self.step_count, "lr": self.lr, "warmup_steps": self.warmup_steps},
             "reference": None if self._ref_state is None else {k: v.to("cpu", copy=True) for k, v in self._ref_state.items()},
             "parallel": {"tp": self.info.tp_size, "pp": self.info.pp_size, "tp_rank": self.tp_rank,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from laconic_nemo.actors import memory
 from laconic_nemo.grpo.interfaces import LossFn, TrainBatch
+from laconic_nemo.runtime.faults import fault_point
 
 
 class TrainStepMixin:
@@ -53,12 +54,15 @@ class TrainStepMixin:
             params=sum(p.numel() for p in self.module.parameters()),
             reference_on_device=self._ref_state is not None and self.reference_on == "device",
             num_micro_batches=num_micro_batches, logprob_chunk=self.logprob_chunk_size, seq=seq,
-            fused_swiglu=bool(self.config.bias_activation_fusion))
+            fused_swiglu=bool(self.config.bias_activation_fusion),
+            resident_bytes=memory.live_engine_bytes(self._decode_engine))  # the engine kept between rollouts
 
     def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:
         """Layers per pipeline stage to recompute for micro-batches of ``tokens`` tokens (``recompute_setting``;
         None: by memory on GPU, none on CPU)."""
         per_stage = self.config.num_layers // self.info.pp_size
+        self._last_shape = (int(tokens), int(seq), int(num_micro_batches))
+        self.memory_plan = None
         if self.recompute_setting is not None:
             return min(self.recompute_setting, per_stage)
         if self.device.type != "cuda":
@@ -66,6 +70,20 @@ class TrainStepMixin:
         self.memory_plan = self.plan_memory(tokens, seq, num_micro_batches)
         chosen = self.memory_plan.recompute_layers
         return per_stage if chosen is None else chosen
+
+    def memory_prediction(self, device_gib: float | None = None) -> str | None:
+        """The memory model's prediction for the last training step's micro-batches (None before the first): the
+        plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory."""
+        shape = getattr(self, "_last_shape", None)
+        if self.memory_plan is None and shape is not None:
+            if device_gib is None and self.device.type != "cuda":
+                from laconic_nemo.rollout.kv_cache import device_memory_bytes
+
+                device_gib = device_memory_bytes(self.device) / memory.GIB
+            self.memory_plan = self.plan_memory(*shape, device_gib=device_gib)
+        if self.memory_plan is None:
+            return None
+        return f"{self.memory_plan.describe()}; {self.memory_plan.breakdown()}"
 
     def set_recompute(self, layers: int) -> None:
         """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""
@@ -150,6 +168,7 @@ class TrainStepMixin:
                 return out, loss_func
 
             store = self._schedule(forward_step, micro, T, mbs, forward_only=False)
+        fault_point("train_step", self.step_count + 1)
         lr = self._lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -239,6 +239,14 @@ def _stub_trt_llm_if_missing() -> None:
 _MODEL_CLASS = None
 
 
+def gpt_model(model):
+    """The megatron-core ``GPTModel`` inside the model chunk megatron's schedule hands a forward step (NeMo wraps it in
+    megatron's ``Float16Module`` with ``megatron_amp_O2``)."""
+    from laconic_nemo.rollout.engine import unwrap_gpt_model
+
+    return unwrap_gpt_model(model)
+
+
 def actor_model_class():
     """``LaconicGRPOActorModel``: NeMo-Aligner's REINFORCE actor with the shared GRPO loss and the
     laconic checkpoint hooks. Built on first use (imports NeMo)."""
@@ -249,7 +257,6 @@ def actor_model_class():
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
     from nemo_aligner.utils import parallel_state
-    from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
 
     class LaconicGRPOActorModel(MegatronGPTReinforceActorModel):
         """``MegatronGPTReinforceActorModel`` whose training loss is a :data:`LossFn` set per optimiser step."""
@@ -258,18 +265,46 @@ def actor_model_class():
         laconic_state: dict[str, Any] | None = None           # written into checkpoints
         restored_laconic_state: dict[str, Any] | None = None  # read back by on_load_checkpoint
         laconic_logprob_temperature: float = 1.0              # get_inference_log_probs at this temperature
+        laconic_logprob_chunk: int = 1024                     # tokens of one log-prob chunk (grpo.logprob_chunk_size)
+
+        def laconic_token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                                   temperature: float = 1.0) -> torch.Tensor:
+            """[b, s-1] float32 log p(tokens[:, 1:]) at ``temperature`` from this rank's vocab shard of the GPTModel's
+            logits [b, s, V/TP]: the megatron-core actor's chunked log-probs
+            (:func:`laconic_nemo.actors.megatron_logprobs.chunked_token_logprobs`, chunks of
+            ``laconic_logprob_chunk`` tokens), never a float32 copy of the whole logits nor NeMo-Aligner's
+            ``[b, s, V]`` float32 log-softmax, its clone and the one-hot tensors of its backward (``nemo_aligner/utils/distributed.py:265-283, 305-309, 329-338``). Every column
+            of the model's (padded) vocabulary is scored, as ``from_parallel_logits_to_logprobs`` did."""
+            from laconic_nemo.actors.megatron_logprobs import chunked_token_logprobs
+            from laconic_nemo.actors.memory import logprob_chunk_positions
+
+            labels = torch.roll(tokens, shifts=-1, dims=1)
+            vocab = logits.shape[-1] * parallel_state.get_tensor_model_parallel_world_size()
+            chunk = logprob_chunk_positions(self.laconic_logprob_chunk, logits.shape[0])
+            return chunked_token_logprobs(logits, labels, chunk, vocab, parallel_state.get_tensor_model_parallel_rank(),
+                                          temperature)[:, :-1]
 
         def get_logprob_output_only_func(self, inference_only=True):
-            """NeMo-Aligner's log-prob forward function, fed ``logits / laconic_logprob_temperature`` (the
-            rollout temperature: old and reference log-probs of the distribution that was sampled)."""
-            inner = super().get_logprob_output_only_func(inference_only=inference_only)
+            """Replaces NeMo-Aligner's log-prob forward (``megatron_gpt_reinforce_actor.py:210-229``: the float32
+            logits of megatron's ``Float16Module``, ``megatron/core/transformer/module.py:175-181``, through
+            ``from_parallel_logits_to_logprobs``): the GPTModel inside the wrapper, called as the training forward
+            calls it (the ``[b, 1, s, s]`` causal mask of ``get_inference_log_probs``, as NeMo-Aligner's training
+            step passes it), its 16-bit logits through :meth:`laconic_token_logprobs` at
+            ``laconic_logprob_temperature`` (the rollout temperature: old and reference log-probs of the
+            distribution that was sampled)."""
             temperature = float(self.laconic_logprob_temperature)
-            if temperature == 1.0:
-                return inner
 
             def log_prob_output_only_func(dataloader_iter, model):
-                output_tensor, id_func = inner(dataloader_iter, model)
-                return output_tensor, lambda out, non_loss_data=True: id_func(out / temperature, non_loss_data)
+                batch = next(dataloader_iter)
+                if isinstance(batch, tuple):
+                    batch = batch[0]
+                tokens, attention_mask, position_ids = (x.cuda() for x in batch)
+                output = gpt_model(model)(tokens, position_ids, attention_mask)
+
+                def id_func(output_tensor, non_loss_data=True):
+                    return self.laconic_token_logprobs(output_tensor, tokens, temperature)
+
+                return output, id_func
 
             return log_prob_output_only_func
 
@@ -288,19 +323,17 @@ def actor_model_class():
                     if parallel_state.is_pipeline_last_stage():
                         required.update(k for k in batch if k not in ("attention_mask", "position_ids"))
                 batch = {k: (v.cuda(non_blocking=True) if k in required else None) for k, v in batch.items()}
-                parallel_logits = model(batch["response_tokens"], batch["position_ids"], batch["attention_mask"],
-                                        labels=None)
+                # the GPTModel inside megatron's Float16Module: its 16-bit logits, without the wrapper's float32 copy
+                parallel_logits = gpt_model(model)(batch["response_tokens"], batch["position_ids"],
+                                                   batch["attention_mask"], labels=None)
 
                 def loss_func(parallel_logits):
                     if self.laconic_loss_fn is None:
                         raise RuntimeError("set laconic_loss_fn before get_loss_and_metrics")
                     # [b, s, V/TP] -> [b, s-1] log-probs of the next tokens at the loss's temperature
-                    # (the rollout temperature, grpo/loss.py), all-reduced over TP
+                    # (the rollout temperature, grpo/loss.py), chunked, reduced over TP
                     temperature = float(getattr(self.laconic_loss_fn, "temperature", 1.0))
-                    logits = parallel_logits if temperature == 1.0 else parallel_logits / temperature
-                    logprobs = from_parallel_logits_to_logprobs(
-                        vocab_parallel_logits=logits, target=batch["response_tokens"], higher_stability=True
-                    )
+                    logprobs = self.laconic_token_logprobs(parallel_logits, batch["response_tokens"], temperature)
                     loss, metrics = self.laconic_loss_fn(logprobs, nemo_to_train_batch(batch))
                     self._laconic_metric_sums += torch.tensor([float(metrics.get(k, 0.0)) for k in LOSS_METRICS],
                                                               dtype=torch.float64)
@@ -341,11 +374,17 @@ class NemoAlignerActor:
     rollout_engine: ``megatron`` (the decode engine) or ``nemo`` (NeMo-Aligner's generation).
     engine_settings: the decode engine's :class:`~laconic_nemo.rollout.engine.EngineSettings` (None: defaults).
     vocab_size: the vocabulary the engine samples from (default: the tokenizer's, as NeMo's sampler).
+    logprob_chunk_size: tokens of one log-prob chunk (``grpo.logprob_chunk_size``).
+    recompute_layers: layers per pipeline stage recomputed in backward (``grpo.recompute_layers``); None: chosen by
+        memory at every step on GPU (:meth:`plan_memory`), none on CPU.
+    engine_memory: ``rollout.engine_memory``: resident (the decode engine kept between rollouts, budgeted in
+        :meth:`plan_memory`) or release (freed after every rollout).
     """
 
     def __init__(self, model, optimizer, scheduler, grad_clip: float, pad_id: int,
                  restored_from: str | None = None, rollout_engine: str = "megatron", engine_settings=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, logprob_chunk_size: int = 1024, recompute_layers: int | None = None,
+                 engine_memory: str = "resident"):
         from nemo_aligner.utils import parallel_state
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -368,6 +407,16 @@ class NemoAlignerActor:
         self.engine_settings = engine_settings
         self.vocab_size = vocab_size
         self._decode_engine = None
+        if engine_memory not in ("resident", "release"):
+            raise ValueError(f"rollout.engine_memory = {engine_memory!r} is invalid: allowed resident or release")
+        self.engine_memory = engine_memory
+        self.logprob_chunk_size = int(logprob_chunk_size)
+        model.laconic_logprob_chunk = self.logprob_chunk_size
+        self.recompute_setting = None if recompute_layers is None else int(recompute_layers)
+        self.recompute_layers = 0  # layers per stage recomputed by the last train_step
+        self.memory_plan = None    # laconic_nemo.actors.memory.MemoryPlan of the last train_step's micro-batches
+        self._last_shape: tuple[int, int, int] | None = None  # (rows, width, micro-batches) of the last train_step
+        self._optimizer_steps = 0  # train_step calls of this process (fault points count them)
 
     # ------------------------------------------------------------------ rollout
     def decode_engine(self):
@@ -391,6 +440,8 @@ class NemoAlignerActor:
         try:
             return self.decode_engine().generate(prompts, sampling, stream=self.dp_rank, pad_id=self.pad_id)
         finally:
+            if self.engine_memory == "release":  # the training step gets the cache's memory (graphs captured again)
+                self.decode_engine().free()
             m.finish_inference()
 
     def _generate_with_nemo(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
@@ -446,6 +497,66 @@ class NemoAlignerActor:
             set_train(m)
         return out.float().cpu()
 
+    # ------------------------------------------------------------------ memory
+    def plan_memory(self, rows: int, width: int, num_micro_batches: int, device_gib: float | None = None):
+        """:func:`laconic_nemo.actors.memory.nemo_actor_plan` for this rank: the GPTModel's sizes, parameters,
+        dtype and core attention, micro-batches of ``rows`` x ``width`` tokens, the decode engine's memory while it
+        stays resident, the device's memory (or ``device_gib``)."""
+        from laconic_nemo.actors import memory
+
+        gpt = gpt_model(self.model)
+        c = gpt.config
+        if device_gib is None:
+            device_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / memory.GIB
+        shape = memory.LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
+                                  groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+                                  ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=int(gpt.vocab_size),
+                                  gated=bool(c.gated_linear_unit))
+        # megatron's unfused DotProductAttention (the local spec) keeps the [np, s, s] scores; TransformerEngine's
+        # flash / fused kernels do not
+        core = type(gpt.decoder.layers[0].self_attention.core_attention).__name__
+        kernel = "local" if core == "DotProductAttention" else "flash"
+        weight = next(gpt.parameters())
+        return memory.nemo_actor_plan(
+            shape, rows, width, device_gib, tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
+            dp=self.dp_size, dtype_bytes=weight.element_size(), kernel=kernel,
+            params=sum(p.numel() for p in gpt.parameters()), num_micro_batches=num_micro_batches,
+            logprob_chunk=self.logprob_chunk_size, fused_swiglu=bool(c.bias_activation_fusion),
+            resident_bytes=memory.live_engine_bytes(self._decode_engine))
+
+    def _choose_recompute(self, rows: int, width: int, num_micro_batches: int) -> int:
+        """Layers per pipeline stage to recompute (``recompute_setting``; None: by memory on GPU, none on CPU), set
+        on the GPTModel's TransformerConfig, which its TransformerBlock reads at every forward
+        (``transformer_block.py:358-391``). NeMo's ``prepare_for_inference`` / ``finish_inference``
+        (``megatron_gpt_model.py:2108-2153``) reset and restore it from ``cfg.activations_checkpoint_*`` around every
+        rollout, so it is set again at every step."""
+        from laconic_nemo.actors.megatron_step import set_recompute
+
+        gpt = gpt_model(self.model)
+        per_stage = len(gpt.decoder.layers)
+        if self.recompute_setting is not None:
+            n = min(self.recompute_setting, per_stage)
+        elif not torch.cuda.is_available():
+            n = 0
+        else:
+            self.memory_plan = self.plan_memory(rows, width, num_micro_batches)
+            n = per_stage if self.memory_plan.recompute_layers is None else self.memory_plan.recompute_layers
+        self.recompute_layers = set_recompute(gpt.decoder.config, n, per_stage)
+        return self.recompute_layers
+
+    def memory_prediction(self, device_gib: float | None = None) -> str | None:
+        """The memory model's prediction for the last training step's micro-batches (None before the first):
+        the plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory."""
+        if self.memory_plan is None and self._last_shape is not None:
+            if device_gib is None and not torch.cuda.is_available():
+                from laconic_nemo.rollout.kv_cache import device_memory_bytes
+
+                device_gib = device_memory_bytes(torch.device("cpu")) / 2**30
+            self.memory_plan = self.plan_memory(*self._last_shape, device_gib=device_gib)
+        if self.memory_plan is None:
+            return None
+        return f"{self.memory_plan.describe()}; {self.memory_plan.breakdown()}"
+
     # ------------------------------------------------------------------ policy update
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         from nemo_aligner.utils.train_utils import clip_gradients
@@ -457,6 +568,11 @@ class NemoAlignerActor:
             raise ValueError(f"minibatch rows on this rank ({n}) must be divisible by micro_batch_size "
                              f"({micro_batch_size})")
         m.cfg.micro_batch_size = int(micro_batch_size)  # read by get_loss_and_metrics
+        # NeMo-Aligner's micro-batches: micro_batch_size rows at the minibatch's full width
+        # (megatron_gpt_reinforce_actor.py:165-184)
+        self._last_shape = (int(micro_batch_size), int(batch.tokens.shape[1]), n // int(micro_batch_size))
+        self.memory_plan = None
+        self._choose_recompute(*self._last_shape)
         m.prepare_for_training()                         # onloads Adam states
         configure_batch_sizes(mbs=int(micro_batch_size), gbs=n * self.dp_size, dp=self.dp_size)
         self.optimizer.zero_grad()
@@ -467,6 +583,10 @@ class NemoAlignerActor:
             loss, _ = m.get_loss_and_metrics(batch=train_batch_to_nemo(batch), forward_only=False)
         finally:
             m.laconic_loss_fn = None
+        from laconic_nemo.runtime.faults import fault_point
+
+        fault_point("train_step", self._optimizer_steps + 1)
+        self._optimizer_steps += 1
         m.finish_training_step()
         grad_norm = clip_gradients(m, self.grad_clip)
         grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else (grad_norm or 0.0))

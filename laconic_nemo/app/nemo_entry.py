@@ -25,10 +25,12 @@ converter in these NeMo pins and runs on the megatron-core actor with the HF bri
 End strings: NeMo's sampler gets ``"<|endoftext|>"`` (its alias for the EOS id) plus the chat end strings
 that are single tokens of the loaded tokenizer (:func:`laconic_nemo.plan.model_folder.resolve_end_strings`);
 a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
-not a single token (NeMo would decode every row at every step to look for it).
+not a single token (NeMo would decode every row at every step to look for it). The decode engine
+(``rollout.engine: megatron``) stops on the ids of the same strings (``SamplingParams.stop_ids``).
 
 Exit codes: 0 finished, 2 bad configuration, 3 stopped on SIGUSR1/SIGTERM after a checkpoint, or during the
-start-up before there was anything to save (``launch/submit.sh`` requeues the job).
+start-up before there was anything to save (``launch/submit.sh`` requeues the job), 5 a step ran out of GPU memory
+(fatal: the last line names the memory model's prediction and the keys to change).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from laconic_nemo.plan.model_folder import (  # noqa: F401 - END_STRINGS_KEY: th
     END_STRINGS_KEY,
     EndStringError,
     end_strings_override,
+    end_token_ids,
     resolve_end_strings,
     split_overrides,
 )
@@ -335,16 +338,20 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
     actor = NemoAlignerActor(model, optimizer, scheduler, cfg.optim.grad_clip, pad_id, restored_from=resume,
                              rollout_engine=cfg.rollout.engine,
                              engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
-                                                                         on_gpu=torch.cuda.is_available()))
+                                                                         on_gpu=torch.cuda.is_available()),
+                             logprob_chunk_size=int(cfg.grpo.logprob_chunk_size),
+                             recompute_layers=cfg.grpo.recompute_layers, engine_memory=str(cfg.rollout.engine_memory))
 
     reward_fn, _grader = build_reward_fn(cfg.reward)
+    # the decode engine stops on the ids of NeMo's end strings, as NeMo's own generation does
     task = Task(prompts=[(i.prompt, i.answer) for i in items], encode=tok.text_to_ids,
-                decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id)
+                decode=lambda ids: tok.ids_to_text(list(ids)), reward_fn=reward_fn, eos_id=tok.eos_id, pad_id=pad_id,
+                stop_ids=tuple(end_token_ids(tok.text_to_ids, tok.eos_id, ends)))
     from laconic_nemo.grpo.metrics import nemo_sinks
 
     try:  # the dashboards are NeMo's own loggers (exp_manager's TensorBoardLogger / WandbLogger), fed by rank 0
         trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
-                              checkpoint_hook=NemoCheckpointHook(actor),
+                              checkpoint_hook=NemoCheckpointHook(actor), stop_ids=task.stop_ids,
                               metric_sinks=lambda _step: nemo_sinks(ptl_trainer.loggers, cfg))
         code = run(trainer, task, early_signal=early_signal())
         if code == 0:  # the .nemo of the final policy (next ThinkPrune stage, evaluation)

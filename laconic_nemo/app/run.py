@@ -9,11 +9,12 @@ trains, and prints the closing summary (and the curves).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from laconic_nemo.app.task import Task
 from laconic_nemo.grpo.checkpoint import barrier
-from laconic_nemo.grpo.trainer import GRPOTrainer, summarize
+from laconic_nemo.grpo.trainer import OOM_EXIT, GRPOTrainer, TrainingOutOfMemory, summarize
 from laconic_nemo.runtime.faults import heartbeat
 
 
@@ -23,7 +24,8 @@ def run(trainer: GRPOTrainer, task: Task, early_signal: int | None = None) -> in
     early_signal: a SIGUSR1 / SIGTERM / SIGINT received before the trainer's handler was installed.
 
     Returns 0 when the run finished (whatever signal arrives after its last checkpoint), 3 when it stopped on a
-    signal (after a checkpoint, or before the first step).
+    signal (after a checkpoint, or before the first step), 5 (:data:`~laconic_nemo.grpo.trainer.OOM_EXIT`) when a
+    step ran out of device memory (its last line names the memory model's prediction and the keys to change).
     """
     cfg, actor = trainer.cfg, trainer.actor
     is_logger = trainer.is_logger
@@ -47,7 +49,11 @@ def run(trainer: GRPOTrainer, task: Task, early_signal: int | None = None) -> in
             log("stopped on a signal after the warm-up; the warmed-up policy is cached")
             return 3
     heartbeat("resume")
-    status = trainer.fit()
+    try:
+        status = trainer.fit()
+    except TrainingOutOfMemory as exc:  # this rank's last line; the other ranks stop at their next collective
+        print(str(exc), file=sys.stderr, flush=True)
+        return OOM_EXIT
     if status == "finished" and cfg.checkpoint.export_hf:
         # the final checkpoint as a Hugging Face folder <output_dir>/hf (rank 0)
         heartbeat("export_hf", trainer.step)

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from laconic_nemo.config import Config, ConfigError, LayoutError
+from laconic_nemo.config import Config, ConfigError, LayoutError, state_target
 from laconic_nemo.grpo.trainer import RewardFn
 
 
@@ -31,6 +31,10 @@ class Task:
         (an HF or .nemo checkpoint states its own).
     warmup_example: Random -> (prompt ids, response ids with EOS) for the supervised warm-up, or None when
         the task has no worked solutions.
+    stop_ids: the ids that end a response besides EOS (the chat template's end-of-turn token:
+        :func:`laconic_nemo.plan.model_folder.end_token_ids`), handed to the rollout engine.
+    budgets: each prompt's budget B_i read from its data row's field ``data.budget_key`` (the synthetic rows';
+        None: the trainer reads the data files, or the run has no per-prompt budgets from data).
     """
 
     prompts: list[tuple[str, Any]]
@@ -41,6 +45,8 @@ class Task:
     pad_id: int
     vocab_size: int | None = None
     warmup_example: Callable[[random.Random], tuple[list[int], list[int]]] | None = None
+    stop_ids: tuple[int, ...] = ()
+    budgets: list[float] | None = None
 
 
 def build_task(cfg: Config) -> Task:
@@ -48,13 +54,19 @@ def build_task(cfg: Config) -> Task:
     (``data.kind = synthetic``), or the math prompts with the checkpoint's HF tokenizer (``data.kind = math``,
     ``model.source = hf``; a prompt that leaves no room for ``rollout.max_new_tokens`` is a ConfigError)."""
     if cfg.data.kind == "synthetic":
+        from laconic_nemo.data.datasets import row_budgets
         from laconic_nemo.data.synthetic import CharTokenizer, SyntheticTask
         from laconic_nemo.rewards import exact_answer_status
 
         tok = CharTokenizer()
         task = SyntheticTask(**dataclasses.asdict(cfg.data.synthetic))
-        problems = task.problems(cfg.data.num_prompts, seed=cfg.run.seed)
-        prompts = [(p.prompt, p.answer) for p in problems]
+        key = None if cfg.data.budget_key is None else str(cfg.data.budget_key)
+        rows = task.rows(cfg.data.num_prompts, seed=cfg.run.seed, budget_key=key)
+        prompts = [(r["problem"], r["answer"]) for r in rows]
+        budgets = None
+        if key is not None:
+            budgets = row_budgets(rows, key, cfg.data.budget_missing, cfg.laconic.budget, cfg.rollout.max_new_tokens)
+        instruction = str(cfg.data.target_instruction)
 
         def reward_fn(texts, answers):
             statuses = [exact_answer_status(t, a) for t, a in zip(texts, answers)]
@@ -62,12 +74,12 @@ def build_task(cfg: Config) -> Task:
             no_answer = statuses.count("no_answer")
             return scores, {"accuracy": sum(scores) / len(scores), "no_answer": no_answer / len(scores)}
 
-        def warmup_example(rng: random.Random):
-            prompt, response = task.warmup_example(rng)
+        def warmup_example(rng: random.Random):  # a stated budget in the RL prompts' words (data.target_instruction)
+            prompt, response = task.warmup_example(rng, state=lambda b: state_target(instruction, b))
             return tok.encode(prompt), tok.encode(response) + [tok.eos_id]
 
         return Task(prompts=prompts, encode=tok.encode, decode=tok.decode, reward_fn=reward_fn, eos_id=tok.eos_id,
-                    pad_id=tok.pad_id, vocab_size=tok.vocab_size, warmup_example=warmup_example)
+                    pad_id=tok.pad_id, vocab_size=tok.vocab_size, warmup_example=warmup_example, budgets=budgets)
 
     from laconic_nemo.data.datasets import load_math_prompts
     from laconic_nemo.rewards.format import build_reward_fn
@@ -75,6 +87,7 @@ def build_task(cfg: Config) -> Task:
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
     from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config, load_hf_tokenizer
+    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), cfg.data.prompt_template)
@@ -99,4 +112,5 @@ def build_task(cfg: Config) -> Task:
         return tok.decode(ids, skip_special_tokens=True)
 
     return Task(prompts=[(i.prompt, i.answer) for i in items], encode=encode, decode=decode, reward_fn=reward_fn,
-                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or tok.eos_token_id)
+                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or tok.eos_token_id,
+                stop_ids=tuple(end_token_ids(hf_text_to_ids(tok), tok.eos_token_id)))

@@ -90,6 +90,7 @@ def run(args) -> int:
             nprocs = world = args.nprocs or model_parallel
             if nprocs % model_parallel:
                 raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
+        _pin_cpu_isa(cfg)  # before torch's first kernel here, and in the environment the local ranks inherit
         if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
             preflight_train(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except (ConfigError, FileNotFoundError) as exc:
@@ -122,6 +123,20 @@ def run(args) -> int:
         return 2
 
 
+def _pin_cpu_isa(cfg: Config) -> None:
+    """Pin a CPU run's kernels to one instruction set (``LACONIC_CPU_ISA``, :mod:`laconic_nemo.runtime.cpu_isa`)
+    in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun or a lone process
+    sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
+    import torch
+
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+
+    try:
+        pin_cpu_isa(cpu=str(cfg.parallel.backend) == "gloo" or not torch.cuda.is_available())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _how(code: int) -> str:
     if code < 0:
         try:
@@ -139,7 +154,14 @@ _TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWr
 
 
 def _cause(tail: list[str], output_dir: str | None) -> str:
-    """Why a rank failed, from its last lines: "No space left on device" when that is the cause, else ""."""
+    """Why a rank failed, from its last lines: its out-of-memory line (the memory model's prediction and the keys to
+    change, :class:`laconic_nemo.grpo.trainer.TrainingOutOfMemory`), "No space left on device" when that is the
+    cause, else ""."""
+    from laconic_nemo.grpo.trainer import OOM_MARKER
+
+    oom = [line.strip() for line in tail if OOM_MARKER in line]
+    if oom:
+        return oom[-1]
     text = "\n".join(tail)
     if any(n in text for n in _NO_SPACE) or any(n in text for n in _TORCH_WRITE_FAILED):
         free = ""
@@ -249,8 +271,9 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     * Watchdog: when no rank has made progress for the bound of :func:`_watchdog_bound` (``watchdog_s``, or
       inside a step ``max(min_s, step_factor x the longest step)``), it names the stalled rank (a stopped
       process, else the one whose last heartbeat is oldest), stops every rank and returns 4.
-    * Its last line names the first rank that failed (in the order the ranks ended), how (signal or exit
-      status) and why: "No space left on device" when that is the cause, else the rank's last line. A rank
+    * Its last line names the first rank that failed (in the order the ranks ended; a rank that ran out of
+      memory before any other, the others then lose their peer), how (signal or exit status) and why: its
+      out-of-memory line, "No space left on device" when that is the cause, else the rank's last line. A rank
       that ended on a failed check (status 2, its line ``laconic-nemo train: rank R: ...``) has said it: the
       launcher copies the first of the ranks' identical lines and adds nothing after it.
 
@@ -369,11 +392,21 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     if bad and refused(bad[0]):  # its one line was the last word
         return 2
     if bad:
+        # a rank that ran out of memory is the cause of the others' failures (they lose their peer in a collective)
+        from laconic_nemo.grpo.trainer import OOM_MARKER
+
+        oom = [r for r in bad if OOM_MARKER in _cause(list(outputs[r].tail), output_dir)]
+        if oom:
+            bad = oom + [r for r in bad if r not in oom]
         first = procs[bad[0]]
         cause = _cause(list(outputs[bad[0]].tail), output_dir)
         last = outputs[bad[0]].last_line()
+        if cause and last and last.strip() == cause:  # the out-of-memory line, already said in full
+            said = ""
+        else:
+            said = f"; its last line: {last[-300:]!r}" if last else "; it printed nothing"
         say(f"failed: rank {bad[0]} (pid {first.pid}) {_how(first.returncode)}, the first rank to fail"
-            + (f": {cause}" if cause else "") + (f"; its last line: {last[-300:]!r}" if last else "; it printed nothing"))
+            + (f": {cause}" if cause else "") + said)
         return first.returncode if first.returncode > 0 else 1
     codes = [p.returncode for p in procs]
     if 3 in codes:
@@ -435,7 +468,8 @@ def train(cfg: Config) -> int:
                               "or vllm (nemo generation runs in the NeMo-Aligner entry point)")
         log(f"layout: world {info.world_size} = TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size} "
             f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
-        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id)
+        trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
+                              stop_ids=task.stop_ids, budgets=task.budgets)
         return run_grpo(trainer, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
     finally:
         if lock is not None:

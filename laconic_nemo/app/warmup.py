@@ -160,18 +160,27 @@ def library_versions() -> dict[str, str]:
             "megatron-core": megatron}
 
 
-def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
+def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | None = None,
+                     isa: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the warmed-up policy is a function of: the recipe's model, warm-up, layout, synthetic task, seed
-    and micro-batch order, the world size, the CPU threads per process, the code (:func:`warmup_code_digest`) and
-    the library versions. world_size: the run's number of processes (default: this launch's ``WORLD_SIZE``);
-    threads: torch's intra-op threads of the warm-up (default: the entry points' setting,
-    :func:`laconic_nemo.runtime.megatron_env.cpu_threads`)."""
+    and micro-batch order, the world size, the CPU threads per process, the CPU kernels' instruction set, the code
+    (:func:`warmup_code_digest`) and the library versions. world_size: the run's number of processes (default:
+    this launch's ``WORLD_SIZE``); threads: torch's intra-op threads of the warm-up (default: the entry points'
+    setting, :func:`laconic_nemo.runtime.megatron_env.cpu_threads`); isa: the instruction set of its CPU kernels
+    (default: this process's, :func:`laconic_nemo.runtime.cpu_isa.cpu_isa`, pinned by the entry points)."""
+    from laconic_nemo.runtime.cpu_isa import cpu_isa
     from laconic_nemo.runtime.megatron_env import cpu_threads
 
     key = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "warmup", "parallel")}
     key["synthetic"] = dataclasses.asdict(cfg.data.synthetic)
     if key["synthetic"].get("reasoning_marker") is None:  # no marker: the key of the task without the option
         key["synthetic"].pop("reasoning_marker", None)
+    key["synthetic"].pop("budgets_by_terms", None)  # the RL prompts' budgets: the warm-up never reads them
+    if not key["synthetic"].get("stated_share"):  # no stated budget: the key of the task without the option
+        for k in ("stated_share", "stated_range", "budget_follow"):
+            key["synthetic"].pop(k, None)
+    else:  # the warm-up states its budgets in the RL prompts' words
+        key["synthetic"]["instruction"] = str(cfg.data.target_instruction)
     key["seed"] = cfg.run.seed
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)
@@ -183,15 +192,19 @@ def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | 
         key["parallel"].pop(k, None)                       # caches: keeping them out keeps the caches' names)
     # a CPU matmul splits its sums over threads: another thread count, other roundings
     key["threads"] = cpu_threads() if threads is None else int(threads)
+    # the kernels' instruction set: 8- or 16-wide vector sums, MKL's code path per processor: other roundings
+    key["cpu_isa"] = cpu_isa() if isa is None else dict(isa)
     key["code"] = warmup_code_digest()
     key["versions"] = library_versions()
     return key
 
 
-def warmup_cache_dir(cfg: Config, world_size: int | None = None, threads: int | None = None) -> Path:
+def warmup_cache_dir(cfg: Config, world_size: int | None = None, threads: int | None = None,
+                     isa: dict[str, Any] | None = None) -> Path:
     """Where the warmed-up policy of this recipe is cached: ``<warmup.cache_dir>/policy_<digest>``, the digest of
-    :func:`warmup_cache_key` (a policy made by other code, library versions or thread counts is never reused)."""
-    key = warmup_cache_key(cfg, world_size, threads)
+    :func:`warmup_cache_key` (a policy made by other code, library versions, thread counts or instruction sets is
+    never reused)."""
+    key = warmup_cache_key(cfg, world_size, threads, isa)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cfg.warmup.cache_dir) if cfg.warmup.cache_dir else Path(cfg.run.output_dir) / "warmup"
     return root / f"policy_{digest}"
@@ -218,14 +231,16 @@ def warm_up(cfg, actor: WarmupActor, warmup_example, pad_id: int, rank: int, log
 
     if warmup_example is None:
         raise ConfigError("warmup.num_steps > 0 needs a task with warm-up examples (data.kind = synthetic)")
-    threads = torch.get_num_threads()  # what this warm-up runs with
-    key = warmup_cache_key(cfg, threads=threads)
-    cache = warmup_cache_dir(cfg, threads=threads)
+    from laconic_nemo.runtime.cpu_isa import cpu_isa, describe
+
+    threads, isa = torch.get_num_threads(), cpu_isa()  # what this warm-up runs with
+    key = warmup_cache_key(cfg, threads=threads, isa=isa)
+    cache = warmup_cache_dir(cfg, threads=threads, isa=isa)
     shard = cache / CheckpointManager.shard_name(actor)
     partial = cache.with_name(cache.name + ".partial")
     total = cfg.warmup.num_steps
     made_by = (f"code {key['code']}, torch {key['versions']['torch']}, megatron-core "
-               f"{key['versions']['megatron-core']}, {key['threads']} thread(s) per rank")
+               f"{key['versions']['megatron-core']}, {key['threads']} thread(s) per rank, {describe(isa)}")
 
     if (cache / "done").is_file():
         check_cache_meta(cache, key)

@@ -12,10 +12,12 @@ from laconic_nemo.core.constraints import (
     Constraints,
     ConstraintStateMismatch,
     TailConstraint,
+    class_report,
     classes_state_problem,
     local_counts,
     per_prompt_cost64,
     reasoning_lengths,
+    report_counts,
     tail_state_problem,
 )
 from laconic_nemo.core.costs import (
@@ -39,6 +41,7 @@ from laconic_nemo.core.dual import (
     shaper_state,
 )
 from laconic_nemo.core.shapers import (
+    CORRECT,
     SHAPERS,
     Shaper,
     constant_lambda,
@@ -49,8 +52,10 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint",
-    "classes_state_problem", "dual_state_problem", "shaper_problem", "tail_state_problem", "local_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS", "DualController", "DualSettings", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
+    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints",
+    "TailConstraint", "class_report", "classes_state_problem", "dual_state_problem", "shaper_problem",
+    "tail_state_problem", "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS",
+    "DualController", "DualSettings", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",
     "constant_lambda", "cost_lengths", "default_ceiling", "group_advantages", "lagrangian_reward", "lambda_controller",
     "length_penalty", "linear_cost", "linear_cost64", "load_shaper_state", "next_lambda", "register_shaper", "shape",
     "shaper_state", "shaping_metrics",

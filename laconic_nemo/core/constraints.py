@@ -49,9 +49,9 @@ from laconic_nemo.core.costs import per_prompt_cost64
 from laconic_nemo.core.dual import DualController, DualSettings, dual_state_problem, next_lambda
 from laconic_nemo.core.shapers import constant_lambda, lambda_controller
 
-__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "class_name",
-           "classes_state_problem", "find_marker", "local_counts", "match_classes", "per_prompt_cost64",
-           "reasoning_lengths", "saved_classes", "tail_state_problem"]
+__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "WITHIN",
+           "class_name", "class_report", "classes_state_problem", "find_marker", "local_counts", "match_classes",
+           "per_prompt_cost64", "reasoning_lengths", "report_counts", "saved_classes", "tail_state_problem"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -559,6 +559,47 @@ def local_counts(lengths: torch.Tensor, budget_index: torch.Tensor | None, num_b
         out += torch.bincount(idx, minlength=num_budgets).tolist()
     out.append(int(tail.in_tail(L).sum()) if tail is not None else 0)
     out.append(int(L.numel()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# per-class report: how each budget class's responses sit against their budgets (every shaper with per-prompt budgets)
+# ------------------------------------------------------------------------------------------------------------------
+WITHIN = 0.1  # "within 10%" of a budget: |L - B| <= 0.1 B
+
+
+def report_counts(lengths: torch.Tensor, correct: torch.Tensor, budget_index: torch.Tensor,
+                  budgets: Sequence[float]) -> list[int]:
+    """One rank's integer counts per distinct budget b of ``budgets`` (D of them): [S_b (sum of L), n_b, within_b
+    (``|L - b| <= 0.1 b``), over_b (``L > b``), correct_b], D entries each, 5 D in all; all-reduce (sum) them.
+
+    lengths: [N] int L; correct: [N] bool; budget_index: [N] int64 index of each response's budget in ``budgets``."""
+    L = lengths.to(torch.long).reshape(-1)
+    idx = budget_index.reshape(-1)
+    b = torch.tensor([float(x) for x in budgets], dtype=torch.float64)[idx]
+    D = len(budgets)
+
+    def per_budget(values: torch.Tensor) -> list[int]:
+        return torch.zeros(D, dtype=torch.long).index_add_(0, idx, values.to(torch.long)).tolist()
+
+    Lf = L.to(torch.float64)
+    return (per_budget(L) + per_budget(torch.ones_like(L)) + per_budget((Lf - b).abs() <= WITHIN * b)
+            + per_budget(Lf > b) + per_budget(correct.reshape(-1)))
+
+
+def class_report(classes: BudgetClasses, counts: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Per class with a response, from the all-reduced :func:`report_counts`: length_ratio (the class's mean of
+    L_i / B_i, as its dual step reads it), within_10, over_budget and pass@1 (shares of its responses)."""
+    D = len(classes.budgets)
+    c = [int(x) for x in counts]
+    sums, ns, within, over, correct = (c[i * D:(i + 1) * D] for i in range(5))
+    out: dict[str, dict[str, float]] = {}
+    for name, m, ratio in zip(classes.names, classes.members, classes.ratios(sums + ns)):
+        if ratio is None:
+            continue
+        n = sum(ns[j] for j in m)
+        out[name] = {"length_ratio": ratio, "within_10": sum(within[j] for j in m) / n,
+                     "over_budget": sum(over[j] for j in m) / n, "pass@1": sum(correct[j] for j in m) / n}
     return out
 
 

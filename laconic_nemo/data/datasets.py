@@ -213,25 +213,34 @@ def check_prompt_lengths(items: Sequence[PromptItem], count_tokens, context: int
 
 def prompt_budgets(files: Sequence[str | Path], key: str, missing: str, default: float,
                    max_new_tokens: int) -> list[float]:
-    """Each row's budget B_i from its field ``key`` (data.budget_key), in the order of :func:`load_math_prompts`.
+    """Each row's budget B_i from its field ``key`` (data.budget_key), in the order of :func:`load_math_prompts`
+    (:func:`row_budgets` over the rows of every file, each named by its file and line). Returns [rows] floats."""
+    located = [(f"{f} {loc}", row) for f in files for loc, row in read_rows(f)]
+    return row_budgets([row for _, row in located], key, missing, default, max_new_tokens,
+                       where=[w for w, _ in located])
+
+
+def row_budgets(rows: Sequence[Any], key: str, missing: str, default: float, max_new_tokens: int,
+                where: Sequence[str] | None = None) -> list[float]:
+    """Each data row's budget B_i from its field ``key`` (data.budget_key): the rows of data files, or the synthetic
+    task's (``SyntheticTask.rows``). ``where``: each row's name in errors (default ``row <index>``).
 
     A row without the field gets ``default`` (laconic.budget) when ``missing`` is ``recipe``, else it is refused;
-    a value that is not a finite number in (0, max_new_tokens) is refused. Errors name the file, the line and the
-    key. Returns [rows] floats."""
+    a value that is not a finite number in (0, max_new_tokens) is refused. Errors name the row and the key.
+    Returns [rows] floats."""
     out = []
-    for f in files:
-        for loc, row in read_rows(f):
-            where = f"{f} {loc}"
-            if not isinstance(row, dict) or key not in row or row[key] is None:
-                if missing == "refuse":
-                    raise ValueError(f"{where}: field {key!r} (data.budget_key) is missing and data.budget_missing = "
-                                     "refuse")
-                out.append(float(default))
-                continue
-            v = row[key]
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < max_new_tokens
-            if not ok:
-                raise ValueError(f"{where}: field {key!r} (data.budget_key) = {v!r:.40} is invalid: allowed a number "
-                                 f"of tokens in (0, rollout.max_new_tokens = {max_new_tokens})")
-            out.append(float(v))
+    for i, row in enumerate(rows):
+        at = where[i] if where is not None else f"row {i}"
+        if not isinstance(row, dict) or key not in row or row[key] is None:
+            if missing == "refuse":
+                raise ValueError(f"{at}: field {key!r} (data.budget_key) is missing and data.budget_missing = "
+                                 "refuse")
+            out.append(float(default))
+            continue
+        v = row[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < max_new_tokens
+        if not ok:
+            raise ValueError(f"{at}: field {key!r} (data.budget_key) = {v!r:.40} is invalid: allowed a number "
+                             f"of tokens in (0, rollout.max_new_tokens = {max_new_tokens})")
+        out.append(float(v))
     return out

@@ -45,6 +45,22 @@ from a long answer of length L to a short one happens only when the accuracy los
 alternative (the abbreviated one is not). Plain GRPO has no reason to shorten (worked answers score
 best), so it stays well above B.
 
+**Stated budgets in the warm-up** (``stated_share``, 0 by default): a share of the warm-up prompts state a
+budget B, drawn uniformly from ``stated_range``, with the instruction the RL prompts state theirs with
+(``data.target_instruction``, e.g. ``Q:a3b5c2d7\nm24\n``). Of those, a share ``budget_follow`` is answered to
+fit B (:meth:`SyntheticTask.fitted_solution`): the answer whose length is nearest B among the abbreviated one and
+the compact and worked ones with 0..max_filler filler phrases (a tie goes to the more reliable style), so the
+length lands within 2 tokens of B wherever B is within the styles' reach; the rest are drawn as without a budget.
+``budget_follow`` is the knob of how strongly the warm-up's length follows B: over the styles' reach the mean
+length of a stated example rises by about ``budget_follow`` tokens per token of B (0.47 at 0.5, 0.93 at 1 over
+B = 16..56 with ``max_filler`` 6; :meth:`SyntheticTask.length_slope` measures it). A policy warmed up on it follows
+less well than its data (a tiny model reads the budget imperfectly). With ``stated_share`` 0 no draw is added: the
+warm-up's examples (and the random draws that make them) are exactly those above.
+
+**Per-prompt budgets from the data** (``budgets_by_terms``): a problem's budget B_i is a function of what its
+prompt shows, the number of terms k: entry ``k - min_terms`` of the list. :meth:`SyntheticTask.rows` writes it
+into each data row under the field ``data.budget_key`` names, where a math data file carries its budgets.
+
 The character-level :class:`CharTokenizer` maps each character to one token, so "tokens" and
 characters coincide and the lengths above are the L of the cost.
 """
@@ -53,6 +69,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 PAD, EOS = "<pad>", "<eos>"
 LETTERS = "abcdefghijkl"
@@ -155,6 +172,11 @@ class SyntheticTask:
     max_filler: worked and compact solutions carry uniform 0..max_filler filler phrases.
     reasoning_marker: None, or the end-of-reasoning marker every warm-up solution places right before its final
         boxed answer (see the module docstring).
+    stated_share: share of warm-up prompts that state a budget (0: none, and no draw for it).
+    stated_range: (lo, hi), the stated budgets' range (uniform integers).
+    budget_follow: share of the stated-budget examples answered to fit their budget (the rest ignore it).
+    budgets_by_terms: None, or the budget B_i of a problem with k terms at entry ``k - min_terms`` (the rows'
+        budget field, :meth:`rows`).
     """
 
     min_terms: int = 2
@@ -163,6 +185,10 @@ class SyntheticTask:
     p_compact: float = 0.25
     max_filler: int = 4
     reasoning_marker: str | None = None
+    stated_share: float = 0.0
+    stated_range: Sequence[int] = (16, 56)
+    budget_follow: float = 1.0
+    budgets_by_terms: Sequence[int] | None = None
 
     def __post_init__(self):
         if self.reasoning_marker is not None:
@@ -173,6 +199,19 @@ class SyntheticTask:
         if not (0.0 <= self.p_abbreviated and 0.0 <= self.p_compact and self.p_abbreviated + self.p_compact <= 1.0):
             raise ValueError(f"data.synthetic.p_abbreviated = {self.p_abbreviated}, p_compact = {self.p_compact}: "
                              "both must be >= 0 with a sum <= 1")
+        if not 0.0 <= self.stated_share <= 1.0:
+            raise ValueError(f"data.synthetic.stated_share = {self.stated_share} is invalid: allowed [0, 1]")
+        if not 0.0 <= self.budget_follow <= 1.0:
+            raise ValueError(f"data.synthetic.budget_follow = {self.budget_follow} is invalid: allowed [0, 1]")
+        lo_hi = list(self.stated_range)
+        if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+            raise ValueError(f"data.synthetic.stated_range = {lo_hi} is invalid: allowed [lo, hi] with 1 <= lo <= hi")
+        if self.budgets_by_terms is not None:
+            n = self.max_terms - self.min_terms + 1
+            b = list(self.budgets_by_terms)
+            if len(b) != n or not all(isinstance(x, int) and x >= 1 for x in b):
+                raise ValueError(f"data.synthetic.budgets_by_terms = {b} is invalid: allowed {n} integers >= 1 (one "
+                                 f"per k = {self.min_terms}..{self.max_terms}), or null")
 
     def problem(self, rng: random.Random) -> Problem:
         k = rng.randint(self.min_terms, self.max_terms)
@@ -190,17 +229,79 @@ class SyntheticTask:
             out += [Problem(tuple(rng.randint(0, 9) for _ in range(k))) for k in ks]
         return out[:n]
 
-    def warmup_example(self, rng: random.Random) -> tuple[str, str]:
-        """(prompt, response) for supervised warm-up, styles mixed as configured."""
+    def warmup_example(self, rng: random.Random, state: Callable[[int], str] | None = None) -> tuple[str, str]:
+        """(prompt, response) for supervised warm-up, styles mixed as configured.
+
+        state: budget -> the instruction stating it (``data.target_instruction`` as the RL prompts state theirs);
+        needed when ``stated_share > 0``. A prompt that states a budget B is the problem followed by ``state(B)``;
+        its answer fits B with probability ``budget_follow`` (:meth:`answer`)."""
+        if self.stated_share > 0 and state is None:
+            raise ValueError("data.synthetic.stated_share > 0 needs the instruction that states a budget")
         p = self.problem(rng)
+        budget = None
+        if self.stated_share > 0 and rng.random() < self.stated_share:  # no draw at all when off
+            budget = rng.randint(int(self.stated_range[0]), int(self.stated_range[1]))
+        prompt = p.prompt if budget is None else p.prompt + state(budget)
+        return prompt, self.answer(p, rng, budget)
+
+    def answer(self, problem: Problem, rng: random.Random, budget: int | None = None) -> str:
+        """A warm-up answer of ``problem``: with a stated ``budget``, fitted to it (:meth:`fitted_solution`) with
+        probability ``budget_follow``; otherwise the configured mix of styles with uniform filler."""
+        if budget is not None and rng.random() < self.budget_follow:
+            return self.fitted_solution(problem, budget)
         u = rng.random()
         if u < self.p_abbreviated:
-            response = abbreviated_solution(p)
+            response = abbreviated_solution(problem)
         else:
             filler = rng.randint(0, self.max_filler)
             style = compact_solution if u < self.p_abbreviated + self.p_compact else worked_solution
-            response = style(p, filler=filler)
-        return p.prompt, close_reasoning(response, self.reasoning_marker)
+            response = style(problem, filler=filler)
+        return close_reasoning(response, self.reasoning_marker)
+
+    def fitted_solution(self, problem: Problem, budget: int) -> str:
+        """The answer of ``problem`` whose length is nearest ``budget``: among the abbreviated answer and the compact
+        and worked ones with 0..max_filler filler phrases, the one with the smallest ``|L - budget|``, a tie going
+        to the more reliable style (worked, then compact), then to the shorter. The marker, when set, counts."""
+        m = len(self.reasoning_marker or "")
+        k = len(problem.terms)
+        # (distance, preference (0 = worked first), length, maker)
+        options = [(abs(9 + m - budget), 2, 9 + m, lambda: abbreviated_solution(problem))]
+        for pref, (style, base) in enumerate(((worked_solution, 5 * k + 9 + m), (compact_solution, 2 * k + 9 + m))):
+            for f in range(self.max_filler + 1):
+                n = base + len(FILLER) * f
+                options.append((abs(n - budget), pref, n, lambda s=style, f=f: s(problem, filler=f)))
+        best = min(options, key=lambda o: o[:3])
+        return close_reasoning(best[3](), self.reasoning_marker)
+
+    def length_slope(self, budgets: Sequence[int], n: int, seed: int = 0) -> tuple[float, list[float]]:
+        """How the warm-up's length follows a stated budget: for each budget b, the mean response length (tokens,
+        EOS excluded) of ``n`` warm-up answers to prompts stating b (:meth:`answer`; problems and draws from
+        ``Random(seed)``, the same for every b), and the least-squares slope of those means on b.
+        Returns (slope, [len(budgets)] means)."""
+        means = []
+        for b in budgets:
+            rng = random.Random(seed)
+            means.append(sum(len(self.answer(self.problem(rng), rng, int(b))) for _ in range(n)) / n)
+        xm, ym = sum(budgets) / len(budgets), sum(means) / len(means)
+        slope = sum((b - xm) * (y - ym) for b, y in zip(budgets, means)) / sum((b - xm) ** 2 for b in budgets)
+        return slope, means
+
+    def budget_of(self, problem: Problem) -> int:
+        """The problem's budget B_i from ``budgets_by_terms`` (a function of its number of terms)."""
+        if self.budgets_by_terms is None:
+            raise ValueError("data.synthetic.budgets_by_terms is not set: the synthetic problems carry no budget")
+        return int(self.budgets_by_terms[len(problem.terms) - self.min_terms])
+
+    def rows(self, n: int, seed: int, budget_key: str | None = None) -> list[dict]:
+        """The RL prompt set (:meth:`problems`) as data rows ``{"problem": prompt, "answer": digit}``, each with its
+        budget B_i (:meth:`budget_of`) under the field ``budget_key`` when one is given."""
+        out = []
+        for p in self.problems(n, seed):
+            row = {"problem": p.prompt, "answer": p.answer}
+            if budget_key is not None:
+                row[budget_key] = self.budget_of(p)
+            out.append(row)
+        return out
 
     def style_lengths(self) -> dict[str, float]:
         """Expected response length (tokens, EOS excluded) of each style under this task's k range (the marker's

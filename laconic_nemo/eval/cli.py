@@ -347,9 +347,11 @@ def _main_synthetic(args) -> int:
         run_config,
         warmup_policy_dir,
     )
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
     from laconic_nemo.runtime.megatron_env import cpu_threads
 
     torch.set_num_threads(cpu_threads())  # the trainer's setting: the warm-up cache key names it
+    pin_cpu_isa()  # the CPU trainer's kernels (before the first one here): the warm-up cache key names them too
     cfg, world_size = run_config(os.path.expanduser(args.model))
     policy = warmup_policy_dir(cfg, int(world_size), args.warmup_cache) if args.warmed_up else args.model
     name = args.name or os.path.basename(os.path.normpath(args.model)) + ("-warmup" if args.warmed_up else "")

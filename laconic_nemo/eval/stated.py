@@ -24,11 +24,12 @@ import json
 import os
 from typing import Iterable
 
+from laconic_nemo.core.constraints import WITHIN  # "within 10%" of the stated budget, as training reports it
+
 PREFIX = "stated_"
 TABLE = "stated.md"
 JSON = "stated.json"
 PLOT = "stated_budgets.png"
-WITHIN = 0.1  # "within 10%" of the stated budget
 
 
 def parse_stated_budgets(text: str, flag: str = "--stated-budgets") -> list[int]:

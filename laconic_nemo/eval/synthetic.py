@@ -127,11 +127,13 @@ def run_config(path: str | Path):
 
 
 def warmup_policy_dir(cfg, world_size: int, cache_root: str | Path | None = None) -> Path:
-    """The warm-up cache folder the trainer wrote for run config ``cfg`` trained by ``world_size`` processes:
-    ``<cache_root or warmup.cache_dir>/policy_<key digest>`` (the trainer's own key function)."""
+    """The warm-up cache folder the trainer wrote for run config ``cfg`` trained by ``world_size`` processes on this
+    machine: ``<cache_root or warmup.cache_dir>/policy_<key digest>`` (the trainer's own key function, with the CPU
+    kernels its ranks ran: :func:`laconic_nemo.runtime.cpu_isa.planned_cpu_isa`)."""
     from laconic_nemo.app.warmup import warmup_cache_dir  # lazily: the trainer's entry point, not needed elsewhere
+    from laconic_nemo.runtime.cpu_isa import planned_cpu_isa
 
-    name = warmup_cache_dir(cfg, world_size).name
+    name = warmup_cache_dir(cfg, world_size, isa=planned_cpu_isa()).name  # the CPU kernels the trainer's ranks ran
     root = Path(cache_root) if cache_root is not None else Path(str(cfg.warmup.cache_dir or ""))
     return root / name
 

@@ -27,23 +27,39 @@ from laconic_nemo.grpo.resume import ResumeError, config_differences
 # the config keys that decide the budget classes and the tail constraint (named with the carry-over entries when
 # a resume refuses a difference, so that one override accepts the whole change)
 CLASS_KEYS = ("data.target_lengths", "data.target_length_range", "data.budget_key", "data.train_files",
-              "laconic.budget_classes", "laconic.per_prompt_budget")
+              "data.synthetic.budgets_by_terms", "laconic.budget_classes", "laconic.per_prompt_budget")
 TAIL_KEYS = ("laconic.tail_budget", "laconic.tail_share")
 
 
 def run_budgets(cfg: Config) -> list[float] | None:
     """Every budget a prompt of the run can have: the stated targets, else the prompts' B_i read from
-    ``data.budget_key``; None without per-prompt budgets."""
+    ``data.budget_key`` (the math data files' rows, or the synthetic task's rows, which carry
+    ``data.synthetic.budgets_by_terms``'s budget of each problem); None without per-prompt budgets."""
     lc, d = cfg.laconic, cfg.data
     if not lc.per_prompt_budget:
         return None
     stated = d.stated_budgets()
     if stated is not None:
         return [float(b) for b in stated]
-    from laconic_nemo.data.datasets import prompt_budgets
+    from laconic_nemo.data.datasets import prompt_budgets, row_budgets
 
+    if d.kind == "synthetic":
+        return row_budgets(synthetic_rows(cfg), str(d.budget_key), d.budget_missing, lc.budget,
+                           cfg.rollout.max_new_tokens)
     return prompt_budgets(list(d.train_files), str(d.budget_key), d.budget_missing, lc.budget,
                           cfg.rollout.max_new_tokens)
+
+
+def synthetic_rows(cfg: Config) -> list[dict]:
+    """The synthetic task's data rows of the run (``SyntheticTask.rows``: the problems the trainer draws, each with
+    its budget under ``data.budget_key`` when one is set)."""
+    import dataclasses
+
+    from laconic_nemo.data.synthetic import SyntheticTask
+
+    d = cfg.data
+    key = None if d.budget_key is None else str(d.budget_key)
+    return SyntheticTask(**dataclasses.asdict(d.synthetic)).rows(d.num_prompts, cfg.run.seed, key)
 
 
 def build_constraints(cfg: Config, budgets: Sequence[float] | None = None, marker: Sequence[int] | None = None

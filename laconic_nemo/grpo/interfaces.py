@@ -37,6 +37,9 @@ class SamplingParams:
     max_new_tokens: generation limit L_max (per response).
     eos_id: token id that ends a response.
     seed: base seed; the engine derives per-sample streams so results do not depend on batching.
+    stop_ids: further ids that end a response as EOS does (the chat template's end-of-turn token when it differs
+        from EOS, e.g. Qwen's ``<|im_end|>``; NeMo's single-token end strings). The ending id is kept in the
+        response and, as EOS, not counted in L.
     """
 
     temperature: float = 1.0
@@ -44,6 +47,12 @@ class SamplingParams:
     max_new_tokens: int = 4096
     eos_id: int = 0
     seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def stops(self) -> tuple[int, ...]:
+        """Every id that ends a response: EOS first, then the other stop ids (sorted, without repeats)."""
+        eos = int(self.eos_id)
+        return (eos,) + tuple(sorted({int(i) for i in self.stop_ids} - {eos}))
 
 
 @dataclass
@@ -163,6 +172,12 @@ class PolicyActor(Protocol):
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict_for_checkpoint` returned (same layout)."""
+        ...
+
+    def memory_prediction(self) -> str | None:
+        """The memory model's prediction (:mod:`laconic_nemo.actors.memory`) for the last :meth:`train_step`'s
+        micro-batches, in words, for the line of a step that ran out of memory; None when there is none (the trainer
+        reads it with ``getattr``: stand-ins may omit it)."""
         ...
 
 

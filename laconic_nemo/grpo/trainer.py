@@ -39,13 +39,16 @@ import torch.distributed as dist
 
 from laconic_nemo.config import Config, check_layout, defaults, state_target, to_dict, to_yaml
 from laconic_nemo.core import (
+    CORRECT,
     BudgetClasses,
     Constraints,
     DualController,
     TailConstraint,
+    class_report,
     cost_lengths,
     group_advantages,
     load_shaper_state,
+    report_counts,
     shape,
     shaper_state,
 )
@@ -176,12 +179,38 @@ class Timer:
     @contextmanager
     def __call__(self, phase: str):
         heartbeat(phase, self.step, step_s=self.step_s)
-        fault_point(phase, self.step)
-        t0 = time.perf_counter()
         try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            fault_point(phase, self.step)
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+        except torch.OutOfMemoryError as exc:  # the phase it happened in, for the closing line
+            if not hasattr(exc, "laconic_phase"):
+                exc.laconic_phase = phase
+            raise
+
+
+# Exit status of a run that ran out of device memory in a step: fatal (launch/submit.sh requeues status 3 only): a
+# resumed run would run out again. Its last line starts with OOM_MARKER.
+OOM_EXIT = 5
+OOM_MARKER = "laconic-nemo: out of memory"
+# what to change, by the phase that ran out of memory
+OOM_KEYS = {
+    "generate": "rollout.kv_cache_rows, rollout.prefill_tokens, rollout.max_prompt_length + rollout.max_new_tokens, "
+                "rollout.kv_cache_memory_fraction",
+    "logprobs": "grpo.micro_batch_size (log-prob micro-batches of padded rows) or grpo.micro_batch_tokens (packs), "
+                "grpo.logprob_chunk_size",
+    "policy_update": "grpo.micro_batch_size (NeMo-Aligner actor; megatron-core actor without packing) or "
+                     "grpo.micro_batch_tokens (packs), grpo.recompute_layers (null: by memory; the stage's layers: "
+                     "all), grpo.logprob_chunk_size, rollout.engine_memory = release",
+}
+
+
+class TrainingOutOfMemory(RuntimeError):
+    """``torch.OutOfMemoryError`` in a step; the message names the phase, the memory model's prediction and the keys
+    to change (:func:`laconic_nemo.app.run.run` prints it as the last line and exits with :data:`OOM_EXIT`)."""
 
 
 class GRPOTrainer:
@@ -193,6 +222,8 @@ class GRPOTrainer:
     prompts: the dataset, a list of (prompt text, reference answer).
     reward_fn: task reward, see :data:`RewardFn`.
     eos_id: the token that ends a response.
+    stop_ids: further ids that end a response (the chat template's end-of-turn token, ``Task.stop_ids``), handed to
+        the actor's rollout in :class:`~laconic_nemo.grpo.interfaces.SamplingParams`.
     checkpoint_hook: the actor's own checkpoint files (:class:`~laconic_nemo.grpo.checkpoint.CheckpointHook`).
     metric_sinks: ``f(resume_step) -> dashboards`` opened on rank 0 when training starts (default: the ones
         ``cfg.logging`` asks for, :func:`~laconic_nemo.grpo.metrics.build_sinks`; the NeMo-Aligner entry hands
@@ -211,10 +242,12 @@ class GRPOTrainer:
         checkpoint_hook: CheckpointHook | None = None,
         metric_sinks: Callable[[int], list[MetricSink]] | None = None,
         budgets: Sequence[float] | None = None,
+        stop_ids: Sequence[int] = (),
     ):
         self.cfg, self.actor = cfg, actor
         self.encode, self.decode = encode, decode
         self.prompts, self.reward_fn, self.eos_id = list(prompts), reward_fn, eos_id
+        self.stop_ids = tuple(int(i) for i in stop_ids)  # ids that end a response besides EOS (SamplingParams)
         self.num_steps = cfg.run.num_steps
         dp = actor.dp_size
         check_layout(cfg, dp)
@@ -238,8 +271,9 @@ class GRPOTrainer:
 
     def _build_constraints(self, budgets: Sequence[float] | None) -> Constraints:
         """The run's constraints (core/constraints.py) with the marker's token ids and, with per-prompt budgets,
-        the classes of the stated targets or of the prompts' B_i (``budgets``; default: read from data.budget_key,
-        kept in :attr:`prompt_budgets`)."""
+        the classes of the stated targets or of the prompts' B_i (``budgets``; default: :func:`run_budgets`, the
+        data files' or the synthetic rows' data.budget_key, kept in :attr:`prompt_budgets`); sets
+        :attr:`report_classes`, the classes of the per-class report."""
         lc, d = self.cfg.laconic, self.cfg.data
         marker = None
         if lc.reasoning_marker is not None:
@@ -257,7 +291,13 @@ class GRPOTrainer:
                     raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
                 self.prompt_budgets = [float(b) for b in budgets]
                 stated = self.prompt_budgets
-        return build_constraints(self.cfg, stated, marker)
+        constraints = build_constraints(self.cfg, stated, marker)
+        # the per-class report (budget_class/<name>/...): the run's budget classes, or, for a shaper without
+        # multipliers (the L1 baselines), one class per stated target of a set (data.target_lengths)
+        self.report_classes = constraints.classes
+        if self.report_classes is None and d.target_lengths is not None:
+            self.report_classes = BudgetClasses(d.stated_budgets(), None, eta=0.0, ceiling=0.0)
+        return constraints
 
     @property
     def dual(self) -> DualController | None:
@@ -291,6 +331,7 @@ class GRPOTrainer:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             eos_id=self.eos_id,
             seed=(self.cfg.run.seed * 1_000_003 + step) * 1_009 + self.actor.dp_rank,
+            stop_ids=self.stop_ids,
         )
         with timer("generate"):
             gen = self.actor.generate(prompt_ids, sampling)
@@ -390,6 +431,9 @@ class GRPOTrainer:
             sums = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64)
             global_mean_length = float(sums[0].item()) / float(sums[1].item())
             lam_used, lam_next, constraint_metrics = self.constraints.step(global_mean_length, sums[2:].tolist())
+            if self.report_classes is not None:  # B_i of each response: its prompt's budget, or its stated target
+                constraint_metrics.update(self._class_report(lengths, task_reward, targets if budgets is None
+                                                             else budgets))
 
         metrics = self._global_metrics(shaper_metrics, rollout.reward_metrics, update_metrics, gen, task_reward)
         metrics.update(
@@ -407,6 +451,15 @@ class GRPOTrainer:
         if self.is_logger:
             metrics["sample_response"] = rollout.texts[0][:200]
         return metrics
+
+    def _class_report(self, lengths: torch.Tensor, task_reward: torch.Tensor, budgets: torch.Tensor
+                      ) -> dict[str, float]:
+        """Per budget class, over the global batch (integer counts all-reduced over DP): the mean of L_i / B_i, the
+        shares within 10% of B_i and over it, and pass@1 (task reward > CORRECT), as ``budget_class/<name>/...``."""
+        c = self.report_classes
+        local = report_counts(lengths, task_reward > CORRECT, c.budget_index(budgets), c.budgets)
+        counts = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64).tolist()
+        return {f"budget_class/{name}/{k}": v for name, row in class_report(c, counts).items() for k, v in row.items()}
 
     def _policy_update(self, batch: TrainBatch, timer: Timer | None = None) -> dict[str, float]:
         """One optimiser step per minibatch of ``grpo.minibatch_size`` (global) responses, each with the GRPO loss of
@@ -515,7 +568,10 @@ class GRPOTrainer:
         every = self.cfg.checkpoint.every_n_steps
         last_checkpoint_seconds = 0.0
         while self.step < self.num_steps:
-            m = self.train_step(self.step)
+            try:
+                m = self.train_step(self.step)
+            except torch.OutOfMemoryError as exc:
+                raise TrainingOutOfMemory(self._out_of_memory(exc)) from exc
             self.step += 1
             self.longest_step_s = max(self.longest_step_s or 0.0, float(m["step_seconds"]))
             # a signal during the last step changes nothing: the run is over once its checkpoint is written
@@ -544,6 +600,25 @@ class GRPOTrainer:
             print(f"signal {self.stop.signal} arrived during the last step: the run is finished, nothing to resume",
                   file=sys.stderr, flush=True)
         return "finished"
+
+
+    def _out_of_memory(self, exc: BaseException) -> str:
+        """The closing line of a step that ran out of device memory (see :class:`TrainingOutOfMemory`)."""
+        phase = getattr(exc, "laconic_phase", "step")
+        prediction = None
+        predict = getattr(self.actor, "memory_prediction", None)
+        if predict is not None and phase == "policy_update":
+            try:  # arithmetic on the last micro-batches' shape; never hide the OOM behind a second error
+                prediction = predict()
+            except Exception as err:  # noqa: BLE001
+                prediction = f"(no prediction: {type(err).__name__}: {err})"
+        what = str(exc).strip().split("\n")[0].split(". ")[0][:160]
+        said = (f"the memory model predicted {prediction}" if prediction else
+                "no prediction of the memory model for this phase (laconic-nemo plan shows the training step's)")
+        keys = OOM_KEYS.get(phase, OOM_KEYS["policy_update"])
+        return (f"{OOM_MARKER} in the {phase.replace('_', ' ')} of step {self.step + 1} on rank {self.rank} "
+                f"({what}): {said}; change {keys}. Not requeued (status {OOM_EXIT}): a resumed run would run out "
+                "of memory again")
 
 
 def summarize(history: list[dict]) -> dict[str, float]:

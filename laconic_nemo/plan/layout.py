@@ -4,7 +4,7 @@ World size = nodes x GPUs per node divisible by TP x PP, groups of G responses w
 the global rollout batch divisible into optimiser minibatches and those into DP x micro-batches, attention heads
 divisible by TP, layers by PP, L_max inside the context window, which data goes with which model, the data and
 checkpoint paths present (or created by the conversion step), the decode engine's KV cache within the GPU's
-memory and the training memory of the megatron-core actor. Nothing is allocated: no torch.distributed, no
+memory and the training memory of either actor (refused when it cannot fit, with the engine's cache beside it). Nothing is allocated: no torch.distributed, no
 model, no GPU. A bad layout or key raises :class:`~laconic_nemo.config.LayoutError` naming the key.
 """
 
@@ -53,7 +53,7 @@ class Plan:
     decode_graphs: str | None = None      # the decode engine's bound on CUDA-graph captures (rollout/schedule.py)
     decode_graphs_per_pass: int | None = None
     decode_graphs_in_all: int | None = None
-    training_memory: str | None = None    # megatron-core actor: activations per micro-batch, the recompute that fits
+    training_memory: str | None = None    # activations per micro-batch, the recompute that fits (both actors)
     packed_attention: str | None = None   # megatron-core actor, packed micro-batches: the GPU kernel in this environment
 
 
@@ -201,7 +201,21 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
             except ValueError as exc:
                 raise LayoutError(f"data.train_files: {exc}") from exc
 
-    memory = training_memory(cfg, hf, tp, pp, mini // (dp * mbs)) if actor == "megatron_core" else None
+    engine_mem = None
+    if kv_bytes is not None:
+        from laconic_nemo.actors import memory as mem
+
+        engine_mem = mem.engine_bytes(kv_bytes, kv.rows, kv.positions, layer_shape(cfg, hf, tp).vocab, hidden, tp=tp,
+                                      dtype_bytes=2 if m.precision in ("bf16", "fp16") else 4,
+                                      graphs=bool(cfg.rollout.cuda_graphs))
+    resident = engine_mem if str(cfg.rollout.engine_memory) == "resident" else None
+    mp, memory = training_memory(cfg, hf, tp, pp, dp, mini // (dp * mbs), resident, gpu_memory_gib)
+    if cluster:  # refused before anything is allocated, naming the keys to change
+        if not mp.fits:
+            raise LayoutError(f"training memory of one GPU: {memory.splitlines()[0]}")
+        if engine_mem is not None:
+            check_engine_beside_training(cfg, mp, engine_mem, float(cfg.rollout.kv_cache_memory_fraction),
+                                         device_gib(gpu_memory_gib))
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
         actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
@@ -259,40 +273,105 @@ def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, h
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
 
 
-def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, micro_batches: int) -> str:
-    """The megatron-core actor's training memory on one H100 80 GB by :mod:`laconic_nemo.actors.memory`: the
-    activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single row up to L_max;
-    unpacked: micro_batch_size rows of L_max) and the recompute setting that fits (``grpo.recompute_layers``:
-    null chooses it the same way on the device). Shape from the HF config when readable, else from model.*
-    (key-value heads then taken = attention heads)."""
+def layer_shape(cfg: Config, hf: dict | None, tp: int):
+    """The model's sizes for :mod:`laconic_nemo.actors.memory`: from the HF config when readable, else from model.*
+    (key-value heads then taken = attention heads); the vocabulary padded to a multiple of 128 x TP."""
     from laconic_nemo.actors import memory
 
-    m, g = cfg.model, cfg.grpo
+    m = cfg.model
     hf = hf or {}
 
     def dim(hf_key: str, recipe_value) -> int:  # the checkpoint's value when it has one, else the recipe's
         return int(hf.get(hf_key) or recipe_value)
 
     h, heads = dim("hidden_size", m.hidden_size), dim("num_attention_heads", m.num_attention_heads)
-    shape = memory.LayerShape(
-        hidden=h, heads=heads, groups=dim("num_key_value_heads", heads), head_dim=dim("head_dim", h // heads),
-        ffn=dim("intermediate_size", m.ffn_hidden_size), layers=dim("num_hidden_layers", m.num_layers),
-        vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp, gated=m.source != "synthetic" or bool(hf))
-    lmax = cfg.rollout.max_new_tokens
-    if g.micro_batch_tokens:
-        tokens, seq, what = max(g.micro_batch_tokens, lmax), lmax, f"packs of {g.micro_batch_tokens} tokens"
+    return memory.LayerShape(
+        hidden=h, heads=heads, groups=dim("num_key_value_heads", m.num_query_groups or heads),
+        head_dim=dim("head_dim", h // heads), ffn=dim("intermediate_size", m.ffn_hidden_size),
+        layers=dim("num_hidden_layers", m.num_layers), vocab=-(-dim("vocab_size", m.vocab_size) // (128 * tp)) * 128 * tp,
+        gated=m.source != "synthetic" or bool(hf))
+
+
+def device_gib(gpu_memory_gib: float) -> float:
+    """The memory a plan assumes for one GPU: an H100 80 GB's 79.1 GiB for the default ``--gpu-memory-gib 80``."""
+    from laconic_nemo.actors import memory
+
+    return memory.H100_GIB if float(gpu_memory_gib) == 80.0 else float(gpu_memory_gib)
+
+
+def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, micro_batches: int,
+                    engine=None, gpu_memory_gib: float = 80.0):
+    """The training memory of the recipe's actor on one GPU by :mod:`laconic_nemo.actors.memory`, and its line.
+
+    megatron-core actor: the activations of the largest micro-batch (``grpo.micro_batch_tokens``, or a longer single
+    row up to L_max; unpacked: micro_batch_size rows of L_max). NeMo-Aligner actor (``model.source = nemo``):
+    ``grpo.micro_batch_size`` rows at the widest minibatch, ``rollout.max_prompt_length + rollout.max_new_tokens``
+    (within the context window), NeMo's optimiser sharded over DP. Both: the recompute setting that fits
+    (``grpo.recompute_layers``: null chooses it the same way on the device) beside ``engine`` (an
+    :class:`~laconic_nemo.actors.memory.EngineMemory`: the decode engine when it stays resident through training).
+    Returns (the :class:`~laconic_nemo.actors.memory.MemoryPlan`, its line)."""
+    from laconic_nemo.actors import memory
+
+    m, g = cfg.model, cfg.grpo
+    shape = layer_shape(cfg, hf, tp)
+    lmax = int(cfg.rollout.max_new_tokens)
+    tied = bool((hf or {}).get("tie_word_embeddings", False))
+    params = memory.params_per_rank(shape, tp, pp, tied=tied)
+    dtype_bytes = 2 if m.precision == "bf16" else 4
+    device = device_gib(gpu_memory_gib)
+    resident = engine.total if engine is not None else 0.0
+    if m.source == "nemo":
+        max_pos = int((hf or {}).get("max_position_embeddings") or m.max_position_embeddings)
+        width = min(int(cfg.rollout.max_prompt_length) + lmax, max_pos)
+        mp = memory.nemo_actor_plan(shape, int(g.micro_batch_size), width, device, tp=tp, pp=pp, dp=dp,
+                                    dtype_bytes=dtype_bytes, kernel="flash", params=params,
+                                    num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size),
+                                    fused_swiglu=True,  # NeMo's megatron_qwen2_config.yaml: bias_activation_fusion
+                                    resident_bytes=resident)
+        what = (f"NeMo-Aligner actor, {int(g.micro_batch_size)} rows x {width} tokens (max_prompt_length + "
+                "max_new_tokens)")
     else:
-        tokens, seq, what = g.micro_batch_size * lmax, lmax, f"{g.micro_batch_size} rows of L_max"
-    tied = bool(hf.get("tie_word_embeddings", False))
-    kernel = "local" if m.attention == "local" else "flash"
-    mp = memory.plan_memory(shape, tokens, memory.H100_GIB, tp=tp, pp=pp, dtype_bytes=2 if m.precision == "bf16" else 4,
-                            kernel=kernel, params=memory.params_per_rank(shape, tp, pp, tied=tied),
-                            reference_on_device=g.kl_beta > 0 and g.reference_on in ("auto", "device"),
-                            num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
-                            logprob_chunk=g.logprob_chunk_size, seq=seq,
-                            fused_swiglu=True)  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
+        if g.micro_batch_tokens:
+            tokens, what = max(int(g.micro_batch_tokens), lmax), f"packs of {int(g.micro_batch_tokens)} tokens"
+        else:
+            tokens, what = int(g.micro_batch_size) * lmax, f"{int(g.micro_batch_size)} rows of L_max"
+        kernel = "local" if m.attention == "local" else "flash"
+        mp = memory.plan_memory(shape, tokens, device, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
+                                params=params,
+                                reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
+                                num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
+                                logprob_chunk=int(g.logprob_chunk_size), seq=lmax,
+                                fused_swiglu=True,  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
+                                resident_bytes=resident)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
-    return f"{what}: {mp.describe()} (H100 80 GB){fixed}"
+    card = "H100 80 GB" if float(gpu_memory_gib) == 80.0 else f"{device:g} GiB GPU"
+    line = f"{what}: {mp.describe()} ({card}){fixed}"
+    if m.source == "nemo":
+        line += f"\n                 {mp.breakdown()}"
+    return mp, line
+
+
+def check_engine_beside_training(cfg: Config, mp, engine, kv_fraction: float, device: float) -> None:
+    """``rollout.kv_cache_memory_fraction`` against what training leaves: the decode engine may grow its cache up to
+    that share of the device (a longer prompt, :meth:`laconic_nemo.rollout.engine.DecodeEngine.generate`), so the
+    share, with the engine's buffers and graph pool, must fit beside the least the training step needs (every layer
+    recomputed) when the engine stays resident, or beside weights, gradients and optimiser state when it is released
+    after each rollout. Raises :class:`LayoutError` naming the key and the largest share that fits."""
+    from laconic_nemo.actors import memory
+
+    budget = memory.USABLE_FRACTION * device
+    if str(cfg.rollout.engine_memory) == "resident":
+        beside, what = mp.peaks_gib[-1] - mp.resident_gib, "the training step with every layer recomputed"
+    else:
+        beside, what = mp.static_gib, "weights, gradients and optimiser state (rollout.engine_memory = release)"
+    extra = (engine.buffers + engine.graph_pool) / memory.GIB
+    leaves = budget - beside - extra
+    if kv_fraction * device > leaves:
+        allowed = max(leaves, 0.0) / device
+        _fail("rollout.kv_cache_memory_fraction", kv_fraction,
+              f"at most {allowed:.3f}: the cache may grow to {kv_fraction:g} x {device:.1f} GiB = "
+              f"{kv_fraction * device:.1f} GiB, but {what} takes {memory.size(beside)} of the "
+              f"{memory.size(budget)} a plan may fill, and the engine's buffers and graph pool {memory.size(extra)}")
 
 
 def _synthetic_context(cfg: Config, max_pos: int) -> None:

@@ -95,6 +95,19 @@ def resolve_end_strings(text_to_ids: TextToIds, requested: Sequence[str] | None 
     return out
 
 
+def end_token_ids(text_to_ids: TextToIds, eos_id: int, requested: Sequence[str] | None = None) -> list[int]:
+    """The token ids that end a response for the decode engine (``SamplingParams.stop_ids``): the ids of the end
+    strings NeMo's sampler is given (:func:`resolve_end_strings`; ``"<|endoftext|>"`` is NeMo's alias for
+    ``eos_id``), so that ``rollout.engine: megatron`` stops where ``rollout.engine: nemo`` does, e.g. on Qwen's
+    ``<|im_end|>`` when the tokenizer's EOS is ``<|endoftext|>``. EOS first, no repeats."""
+    out = [int(eos_id)]
+    for s in resolve_end_strings(text_to_ids, requested):
+        tid = int(eos_id) if s == END_OF_SEQ else end_string_token(text_to_ids, s)
+        if tid is not None and tid not in out:
+            out.append(int(tid))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- HF folders
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
 

@@ -107,7 +107,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
     """Build the constraints beyond the mean as the trainer does (core/constraints.py) and describe each with its
     multipliers; raise ValueError naming the key on a bad one: a marker the tokenizer cannot encode (the synthetic
     task's character tokenizer, or ``tokenizer`` when loaded), a budget class without a budget."""
-    from laconic_nemo.grpo.constraints import build_constraints
+    from laconic_nemo.grpo.constraints import build_constraints, run_budgets
 
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     lines = []
@@ -143,7 +143,9 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
         if budgets is None:
             source = f"data.budget_key {d.budget_key!r}"
             files = [str(f) for f in d.train_files]
-            if files and all(Path(f).is_file() for f in files):
+            if d.kind == "synthetic":  # the synthetic rows carry B_i (data.synthetic.budgets_by_terms)
+                budgets = run_budgets(cfg)
+            elif files and all(Path(f).is_file() for f in files):
                 from laconic_nemo.data.datasets import prompt_budgets
 
                 budgets = prompt_budgets(files, str(d.budget_key), d.budget_missing, lc.budget, lmax)

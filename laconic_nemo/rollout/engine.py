@@ -347,8 +347,9 @@ class DecodeEngine(StageMixin, SlotsMixin):
         0 elsewhere), the rollout side of the rollout / training log-prob mismatch.
         Returns CPU tensors, identical on every rank of the model-parallel group."""
         check_sampling(sampling)
-        if not 0 <= sampling.eos_id < self.vocab_size:
-            raise ValueError(f"sampling.eos_id must be in [0, {self.vocab_size}), got {sampling.eos_id}")
+        stops = sampling.stops()
+        if not all(0 <= i < self.vocab_size for i in stops):
+            raise ValueError(f"sampling.eos_id and stop_ids must be in [0, {self.vocab_size}), got {list(stops)}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         st = self.settings
@@ -360,7 +361,7 @@ class DecodeEngine(StageMixin, SlotsMixin):
             raise ValueError(f"prompt + max_new_tokens = {need_pos} exceeds max_position_embeddings "
                              f"{self.max_positions}")
         sig = Sig(st.sampler, float(sampling.temperature), float(sampling.top_p), int(sampling.eos_id), pad, L,
-                   bool(return_logprobs))
+                   bool(return_logprobs), stops)
         B = len(prompts)
         rows = B if st.kv_cache_rows is None else min(B, st.kv_cache_rows)
         self.stats = EngineStats()

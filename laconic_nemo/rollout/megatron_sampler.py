@@ -90,6 +90,16 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last_nonzero)
 
 
+def stop_hit(tokens: torch.Tensor, stops: tuple[int, ...]) -> torch.Tensor:
+    """[B] bool: which of ``tokens`` [B] end a response, any of ``stops`` (EOS and the chat template's end token:
+    :meth:`SamplingParams.stops`). One comparison per id against a Python int, so a captured decode step bakes the
+    ids into its graph (they are part of its key) and allocates nothing."""
+    hit = tokens == int(stops[0])
+    for s in stops[1:]:
+        hit = hit | (tokens == int(s))
+    return hit
+
+
 def _prompt_buffer(prompts: list[list[int]], sampling: SamplingParams, pad_id: int | None):
     """Check the inputs; the token buffer [B, P_max + L_max] (prompts from position 0, then ``pad``), the prompt
     lengths [B] and ``pad`` (``pad_id``, default the EOS id)."""
@@ -153,7 +163,7 @@ def sample(
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         buf[:, cur] = nxt
         generated += active.long()
-        new_eos = active & (nxt == sampling.eos_id)
+        new_eos = active & stop_hit(nxt, sampling.stops())
         hit_eos |= new_eos
         done |= new_eos | (active & (generated >= L_max))
         cur += 1
@@ -278,7 +288,7 @@ def sample_on_device(
         buf[rows, cur] = nxt
         r_gen = r_gen + active.long()
         generated[rows] = r_gen
-        new_eos = active & (nxt == sampling.eos_id)
+        new_eos = active & stop_hit(nxt, sampling.stops())
         hit_eos[rows] |= new_eos
         done[rows] = r_done | new_eos | (active & (r_gen >= L_max))
         cur += 1

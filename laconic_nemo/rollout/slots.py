@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from laconic_nemo.rollout.megatron_sampler import counter_uniforms, draw, draw_on_device, filtered_probs
+from laconic_nemo.rollout.megatron_sampler import stop_hit as any_stop_hit
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,14 @@ class Sig:
     pad: int
     max_new: int
     logprobs: bool
+    stops: tuple[int, ...] = ()  # every id that ends a response (SamplingParams.stops); empty: eos alone
 
 
 def stop_hit(tokens: torch.Tensor, sig: Sig) -> torch.Tensor:
     """Bool [b]: which of the tokens [b] just sampled end their row (counted in ``response_lengths``, flagged in
-    ``hit_eos``): the EOS id."""
-    return tokens == sig.eos
+    ``hit_eos``): any of ``sig.stops`` (EOS and the chat template's end token), or the EOS id alone where none
+    are given. The one stop function of the engine's eager, captured and fused decode steps."""
+    return any_stop_hit(tokens, sig.stops or (sig.eos,))
 
 
 class Slots:

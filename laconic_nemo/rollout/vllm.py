@@ -237,14 +237,14 @@ class VLLMRolloutEngine:
 
         params = [self._vllm.SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                             max_tokens=sampling.max_new_tokens, seed=sampling.seed + i,
-                                            stop_token_ids=sorted(self.stop_ids | {sampling.eos_id}),
+                                            stop_token_ids=sorted(self.stop_ids | set(sampling.stops())),
                                             ignore_eos=False)
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outs]
         reasons = ["length" if o.outputs[0].finish_reason == "length" else "stop" for o in outs]
         result = build_generation_output(prompts, responses, reasons, sampling.eos_id, sampling.max_new_tokens,
-                                         self.pad_id, stop_ids=self.stop_ids)
+                                         self.pad_id, stop_ids=self.stop_ids | set(sampling.stops()))
         if self.colocate:
             self.sleep()
         return result

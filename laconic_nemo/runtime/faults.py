@@ -15,14 +15,16 @@ Fault points (tests and fault-injection runs only): ``LACONIC_FAULT`` holds comm
 
 * ``kill`` (default): SIGKILL itself, as the OOM killer or a node failure would;
 * ``stop``: SIGSTOP itself (a hung rank; the watchdog must find it);
-* ``term`` / ``usr1``: send itself SIGTERM / SIGUSR1 (a preemption notice at that point).
+* ``term`` / ``usr1``: send itself SIGTERM / SIGUSR1 (a preemption notice at that point);
+* ``oom``: raise ``torch.OutOfMemoryError`` there, as the CUDA caching allocator does when an allocation fails.
 
 Points: the phases of a step (``generate``, ``reward``, ``shape_advantage``, ``logprobs``,
 ``policy_update``, ``dual_step``, ``checkpoint``), ``checkpoint_written`` (this rank's files of the
 checkpoint are in the ``.tmp`` folder, before the rename), ``after_checkpoint`` (the step's
 checkpoint is complete), ``metrics_torn`` (rank 0 writes half of the step's ``metrics.jsonl`` row,
 then the action), ``warmup_step`` (start of a warm-up step), ``start_up`` (step 0: a rank's start,
-right after its first heartbeat, before the distributed rendezvous). Unset, every call is a dictionary
+right after its first heartbeat, before the distributed rendezvous), ``train_step`` (inside an actor's optimiser step,
+after its micro-batches' forward and backward; ``step`` counts optimiser steps). Unset, every call is a dictionary
 lookup and nothing else.
 """
 
@@ -60,9 +62,13 @@ def armed(point: str, step: int) -> str | None:
 
 def fire(action: str) -> None:
     """Perform ``action`` on this process (see the module docstring)."""
-    if action not in _ACTIONS:
-        raise ValueError(f"{FAULT_ENV}: unknown action {action!r} (allowed: {', '.join(_ACTIONS)})")
+    if action not in _ACTIONS and action != "oom":
+        raise ValueError(f"{FAULT_ENV}: unknown action {action!r} (allowed: {', '.join(_ACTIONS)}, oom)")
     print(f"[fault point] rank {_rank()} pid {os.getpid()}: {action}", flush=True)
+    if action == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected at a fault point)")
     os.kill(os.getpid(), _ACTIONS[action])
 
 

@@ -31,6 +31,9 @@ def make_config(run_dir: str):
 def run(rank: int, world: int, port: int, run_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()  # before the first kernel, as the trainer's launcher pins its ranks
     torch.set_num_threads(1)
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.app.task import build_task

@@ -65,6 +65,26 @@ def _isa_in(env: dict) -> dict:
 
 
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
+@pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
+def test_the_in_container_entry_pins_a_cpu_run_before_training(monkeypatch, tmp_path):
+    """launch/submit.sh runs `python -m laconic_nemo.nemo_entry` under srun; for a megatron-core recipe it hands the
+    config to train_cli.train. Its CPU ranks run the pinned kernels as `laconic-nemo train`'s do: the pin is in the
+    environment before train starts (before the first kernel; a Slurm job's rows equal the local run's)."""
+    from laconic_nemo.app import nemo_entry, train_cli
+
+    for key in ("LACONIC_CPU_ISA", *isa.PINS["avx2"]):
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+
+    def fake_train(cfg):
+        seen.update({k: os.environ.get(k) for k in isa.PINS["avx2"]})
+        return 0
+
+    monkeypatch.setattr(train_cli, "train", fake_train)
+    rc = nemo_entry.main([str(ROOT / "recipes" / "tiny_cpu.yaml"), f"run.output_dir={tmp_path / 'out'}"])
+    assert rc == 0 and seen == isa.PINS["avx2"]
+
+
 def test_the_key_names_the_kernels_in_effect():
     """Pinned: ATen's capability in effect is AVX2 and the key names the pin (the same on every AVX2 machine, no CPU
     model); native: the machine's own choice and its CPU model."""

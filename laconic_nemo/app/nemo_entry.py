@@ -403,8 +403,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 3
     if cfg.model.source != "nemo":
-        from laconic_nemo.app.train_cli import train
+        from laconic_nemo.app.train_cli import pin_cpu_kernels, train
 
+        try:  # a CPU run's kernels, as `laconic-nemo train` pins them, before the first one in this rank
+            pin_cpu_kernels(cfg)
+        except ConfigError as exc:
+            print(f"laconic_nemo.nemo_entry: {exc}", file=sys.stderr)
+            return 2
         return train(cfg)
     try:
         return train_nemo(cfg, nemo_ov)

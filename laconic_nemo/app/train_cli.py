@@ -90,7 +90,7 @@ def run(args) -> int:
             nprocs = world = args.nprocs or model_parallel
             if nprocs % model_parallel:
                 raise ConfigError(f"--nprocs = {nprocs} is invalid: allowed a multiple of TP x PP = {model_parallel}")
-        _pin_cpu_isa(cfg)  # before torch's first kernel here, and in the environment the local ranks inherit
+        pin_cpu_kernels(cfg)  # before torch's first kernel here, and in the environment the local ranks inherit
         if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
             preflight_train(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except (ConfigError, FileNotFoundError) as exc:
@@ -123,10 +123,10 @@ def run(args) -> int:
         return 2
 
 
-def _pin_cpu_isa(cfg: Config) -> None:
+def pin_cpu_kernels(cfg: Config) -> None:
     """Pin a CPU run's kernels to one instruction set (``LACONIC_CPU_ISA``, :mod:`laconic_nemo.runtime.cpu_isa`)
-    in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun or a lone process
-    sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
+    in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun (this function,
+    or ``laconic_nemo.nemo_entry``'s call of it) or a lone process sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
     import torch
 
     from laconic_nemo.runtime.cpu_isa import pin_cpu_isa

@@ -199,7 +199,7 @@ def prepare(cfg: Config, hf_model: str | None, run=subprocess.call) -> int:
     if not Path(hf_model).exists():
         print(f"prepare: --hf-model {hf_model} does not exist", file=sys.stderr)
         return 2
-    precision = "bf16" if cfg.model.precision == "bf16" else cfg.model.precision
+    precision = cfg.model.precision
 
     def convert(out: Path) -> int:
         cmd = conversion_command(hf_model, str(out), precision)

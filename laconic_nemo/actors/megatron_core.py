@@ -34,7 +34,7 @@ from laconic_nemo.actors.megatron_shards import ShardsMixin
 from laconic_nemo.actors.megatron_step import TrainStepMixin
 from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
-from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config
+from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config, resolve_sampler
 from laconic_nemo.runtime.megatron_env import ParallelInfo, parallel_info
 
 
@@ -88,7 +88,7 @@ class MegatronCoreActor(LogprobsMixin, TrainStepMixin, ShardsMixin):
         self.pad_id = None if pad_id is None else int(pad_id)
         self.device = info.device
         on_gpu = self.device.type == "cuda"
-        self.sampler = resolve_choice(sampler, "device" if on_gpu else "exact")
+        self.sampler = resolve_sampler(sampler, on_gpu)
         self.sync_every, self.compact_rows = int(sync_every), bool(compact_rows)
         self.logprob_chunk_size, self.sort_by_length = int(logprob_chunk_size), bool(sort_by_length)
         self.micro_batch_tokens = int(micro_batch_tokens)

@@ -79,6 +79,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
 from laconic_nemo.rollout.graphs import GraphRunner
 from laconic_nemo.rollout.kv_cache import KVCacheShape, StaticKVCache, check_fits, device_memory_bytes
@@ -92,6 +93,16 @@ from laconic_nemo.rollout.stage import StageMixin
 
 ENGINE_SAMPLERS = ("exact", "device")
 DEFAULT_BUCKETS = fine_buckets()  # 8, 16, 32, 48, ..., 512
+
+
+def resolve_sampler(choice: str, on_gpu: bool) -> str:
+    """``rollout.sampler`` (``auto``, ``exact``, ``device``) for the device: ``auto`` is ``device`` on a GPU,
+    ``exact`` on CPU; the one place ``auto`` is resolved (the actor and the engine settings both call it)."""
+    if choice not in ("auto", *ENGINE_SAMPLERS):
+        raise ValueError(f"rollout.sampler = {choice!r} is invalid: allowed auto, exact or device")
+    if choice == "auto":
+        return "device" if on_gpu else "exact"
+    return choice
 
 
 @dataclass
@@ -141,22 +152,17 @@ class EngineSettings:
             bad("kv_cache_memory_fraction", "in (0, 1]", self.kv_cache_memory_fraction)
 
 
-def engine_settings_from_config(cfg: Any, dp_size: int, on_gpu: bool) -> EngineSettings:
-    """The settings of a recipe (``cfg.rollout``, ``cfg.grpo``): ``rollout.sampler`` auto resolved for the device
-    (device on GPU, exact on CPU); ``rollout.kv_cache_rows`` null: this DP rank's responses per step."""
-    r, g = cfg.rollout, cfg.grpo
-    sampler = str(r.sampler)
-    if sampler == "auto":
-        sampler = "device" if on_gpu else "exact"
-    rows = r.kv_cache_rows
-    if rows is None:
-        rows = max(1, int(g.num_prompts_per_step) * int(g.group_size) // max(1, int(dp_size)))
+def engine_settings_from_config(cfg: Config, dp_size: int, on_gpu: bool) -> EngineSettings:
+    """The settings of a recipe (``cfg.rollout``, ``cfg.grpo``): ``rollout.sampler`` resolved for the device
+    (:func:`~laconic_nemo.runtime.kernels.resolve_sampler`); ``rollout.kv_cache_rows`` null: this DP rank's
+    responses per step (:meth:`~laconic_nemo.config.GRPOConfig.rollout_per_rank`, at least 1)."""
+    r = cfg.rollout
+    rows = r.kv_cache_rows if r.kv_cache_rows is not None else max(1, cfg.grpo.rollout_per_rank(max(1, dp_size)))
     settings = EngineSettings(
-        sampler=sampler, sync_every=int(r.sync_every), compact=bool(r.compact),
-        batch_buckets=tuple(int(x) for x in r.batch_buckets), kv_block=int(r.kv_block),
-        cuda_graphs=bool(r.cuda_graphs), prefill_tokens=int(r.prefill_tokens), kv_cache_rows=int(rows),
-        max_prompt_length=int(r.max_prompt_length), max_new_tokens=int(r.max_new_tokens),
-        kv_cache_memory_fraction=float(r.kv_cache_memory_fraction))
+        sampler=resolve_sampler(r.sampler, on_gpu), sync_every=r.sync_every, compact=r.compact,
+        batch_buckets=tuple(r.batch_buckets), kv_block=r.kv_block, cuda_graphs=r.cuda_graphs,
+        prefill_tokens=r.prefill_tokens, kv_cache_rows=rows, max_prompt_length=r.max_prompt_length,
+        max_new_tokens=r.max_new_tokens, kv_cache_memory_fraction=r.kv_cache_memory_fraction)
     settings.check()
     return settings
 

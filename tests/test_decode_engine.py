@@ -356,9 +356,9 @@ def test_engine_stops_on_the_chat_end_token_of_a_real_qwen_tokenizer(dist1, samp
     on ``<|im_end|>`` as NeMo's end strings did; on EOS alone it generated past the end of the turn to L_max. Both
     samplers run the fused step: ``exact`` its eager stage, ``device`` the whole step the GPU captures, with the
     same stop function (``slots.stop_hit``)."""
+    from laconic_nemo.bridge.end_tokens import end_token_ids, hf_text_to_ids
     from laconic_nemo.config import load_config
     from laconic_nemo.grpo.trainer import GRPOTrainer, Timer
-    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
 
     tok = _qwen_tokenizer("<|endoftext|>")
     eos, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])

@@ -296,7 +296,7 @@ def test_end_strings_are_single_tokens_for_nemo(tmp_path, family):
     """``<|im_end|>`` is no token of the DeepSeek-R1-Distill tokenizer and ``<｜end▁of▁sentence｜>`` none of
     Qwen2.5's: NeMo (``text_generation_strategy.py:165-265``) would decode every row at every step. The
     config's end strings plus the tokenizer's single-token ones leave NeMo nothing to compare as text."""
-    from laconic_nemo.plan.model_folder import EndStringError, resolve_end_strings
+    from laconic_nemo.bridge.end_tokens import EndStringError, resolve_end_strings
 
     nemo_tok, _ = _nemo_tokenizer(tmp_path, family)
     cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml")
@@ -306,7 +306,7 @@ def test_end_strings_are_single_tokens_for_nemo(tmp_path, family):
     tokens, to_check = _nemo_strategy_end_check(nemo_tok, ends)
     assert to_check == [] and nemo_tok.eos_id in tokens
     # the decode engine's stop ids (rollout.engine: megatron) are the ids NeMo's own sampler ends on
-    from laconic_nemo.plan.model_folder import end_token_ids
+    from laconic_nemo.bridge.end_tokens import end_token_ids
 
     assert sorted(end_token_ids(nemo_tok.text_to_ids, nemo_tok.eos_id, ends)) == sorted(set(tokens))
     chat_end = "<｜end▁of▁sentence｜>" if family == "deepseek" else "<|im_end|>"

@@ -23,7 +23,7 @@ is missing (Qwen2 architecture: DeepSeek-R1-Distill-Qwen, DeepScaleR, Qwen2.5-Ma
 converter in these NeMo pins and runs on the megatron-core actor with the HF bridge.
 
 End strings: NeMo's sampler gets ``"<|endoftext|>"`` (its alias for the EOS id) plus the chat end strings
-that are single tokens of the loaded tokenizer (:func:`laconic_nemo.plan.model_folder.resolve_end_strings`);
+that are single tokens of the loaded tokenizer (:func:`laconic_nemo.bridge.end_tokens.resolve_end_strings`);
 a ``nemo.model.reinforce.sampling_params.end_strings`` override is refused at start-up if any string is
 not a single token (NeMo would decode every row at every step to look for it). The decode engine
 (``rollout.engine: megatron``) stops on the ids of the same strings (``SamplingParams.stop_ids``).
@@ -44,15 +44,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from laconic_nemo.app.train_cli import _EARLY_SIGNAL, _install_early_stop
+from laconic_nemo.app.train_cli import EARLY_SIGNALS, install_early_stop
+from laconic_nemo.bridge.end_tokens import END_OF_SEQ, EndStringError, end_token_ids, resolve_end_strings
 from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.plan.model_folder import (  # noqa: F401 - END_STRINGS_KEY: this module's name of it, for callers
-    END_OF_SEQ,
     END_STRINGS_KEY,
-    EndStringError,
     end_strings_override,
-    end_token_ids,
-    resolve_end_strings,
     split_overrides,
 )
 from laconic_nemo.tools.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, convert_to_target
@@ -60,7 +57,7 @@ from laconic_nemo.tools.convert_qwen2 import QWEN2_CONVERTER, ConversionBusy, co
 
 def early_signal() -> int | None:
     """The first SIGUSR1 / SIGTERM received during the start-up (before the trainer's own handler), or None."""
-    return _EARLY_SIGNAL[0] if _EARLY_SIGNAL else None
+    return EARLY_SIGNALS[0] if EARLY_SIGNALS else None
 
 
 def build_nemo_config(cfg: Config, nodes: int, gpus_per_node: int, nemo_overrides: list[str] = (),
@@ -389,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     # honoured once the ranks can agree to stop (app/run.py), as `laconic-nemo train` does; during the start-up
     # (NeMo's imports, the model load) its default action would end the process with a status other than 3, and
     # the job would not be requeued.
-    _install_early_stop()
+    install_early_stop()
     from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free
 
     try:  # every rank, before anything is loaded: another live run holds run.output_dir

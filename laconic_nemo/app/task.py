@@ -32,7 +32,7 @@ class Task:
     warmup_example: Random -> (prompt ids, response ids with EOS) for the supervised warm-up, or None when
         the task has no worked solutions.
     stop_ids: the ids that end a response besides EOS (the chat template's end-of-turn token:
-        :func:`laconic_nemo.plan.model_folder.end_token_ids`), handed to the rollout engine.
+        :func:`laconic_nemo.bridge.end_tokens.end_token_ids`), handed to the rollout engine.
     budgets: each prompt's budget B_i read from its data row's field ``data.budget_key`` (the synthetic rows';
         None: the trainer reads the data files, or the run has no per-prompt budgets from data).
     """
@@ -86,8 +86,8 @@ def build_task(cfg: Config) -> Task:
 
     if cfg.model.source != "hf":
         raise ConfigError("data.kind = math with the megatron-core actor needs model.source = hf (a tokenizer)")
+    from laconic_nemo.bridge.end_tokens import end_token_ids, hf_text_to_ids
     from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config, load_hf_tokenizer
-    from laconic_nemo.plan.model_folder import end_token_ids, hf_text_to_ids
 
     tok = load_hf_tokenizer(cfg.model.path)
     items = load_math_prompts(list(cfg.data.train_files), cfg.data.prompt_template)

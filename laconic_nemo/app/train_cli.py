@@ -58,12 +58,14 @@ def _split_nprocs(args) -> None:
 
 # A SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) that arrives before the trainer installs its own handler (start-up,
 # imports, model construction) is recorded here and honoured as soon as the ranks can agree to stop.
-_EARLY_SIGNAL: list[int] = []
+EARLY_SIGNALS: list[int] = []
 
 
-def _install_early_stop() -> None:
+def install_early_stop() -> None:
+    """Record a SIGUSR1 / SIGTERM / SIGINT of the start-up in :data:`EARLY_SIGNALS` (both entry points call it first)."""
+
     def handler(signum, _frame):
-        _EARLY_SIGNAL.append(signum)
+        EARLY_SIGNALS.append(signum)
 
     for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         try:
@@ -77,7 +79,7 @@ def run(args) -> int:
     from laconic_nemo.runtime.faults import fault_point, heartbeat
 
     launcher = "WORLD_SIZE" not in os.environ
-    _install_early_stop()
+    install_early_stop()
     if not launcher:
         heartbeat("start-up")  # this rank now turns a forwarded signal into a clean stop
         fault_point("start_up", 0)
@@ -104,8 +106,8 @@ def run(args) -> int:
     # The launcher (or a lone process) stops here at once. A rank of a multi-rank run must not: the others
     # would wait for it in the rendezvous or a collective forever. It goes on to the trainer, where every
     # rank agrees on the stop (GRPOTrainer.stop.requested is an all-reduce) and they leave together.
-    if _EARLY_SIGNAL and (launcher or int(os.environ.get("WORLD_SIZE", "1")) == 1):
-        print(f"laconic-nemo train: stopped on signal {_EARLY_SIGNAL[0]} during start-up; nothing to save yet",
+    if EARLY_SIGNALS and (launcher or int(os.environ.get("WORLD_SIZE", "1")) == 1):
+        print(f"laconic-nemo train: stopped on signal {EARLY_SIGNALS[0]} during start-up; nothing to save yet",
               file=sys.stderr)
         return 3
     if launcher and nprocs > 1:
@@ -293,7 +295,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
         received.append(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
-    received[:0] = _EARLY_SIGNAL  # one that came before this handler replaced the start-up one
+    received[:0] = EARLY_SIGNALS  # one that came before this handler replaced the start-up one
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
     procs, outputs = [], []
     refusals: set[str] = set()
@@ -470,7 +472,7 @@ def train(cfg: Config) -> int:
             f"({info.device}); prompts {len(task.prompts)}; output {cfg.run.output_dir}")
         trainer = GRPOTrainer(cfg, actor, task.encode, task.decode, task.prompts, task.reward_fn, task.eos_id,
                               stop_ids=task.stop_ids, budgets=task.budgets)
-        return run_grpo(trainer, task, early_signal=_EARLY_SIGNAL[0] if _EARLY_SIGNAL else None)
+        return run_grpo(trainer, task, early_signal=EARLY_SIGNALS[0] if EARLY_SIGNALS else None)
     finally:
         if lock is not None:
             lock.release()

@@ -1,144 +1,29 @@
-"""The recipe schema (one dataclass per section, each field documented where it is defined) and recipe loading.
-
-A recipe is a YAML file. It may name parent recipes in a ``defaults:`` list (paths relative to the
-recipe's folder, ``.yaml`` optional); parents are merged first, in order, then the recipe itself,
-then command-line overrides (OmegaConf dotlist, e.g. ``laconic.budget=1000``). The dataclasses below are
-the schema and the defaults (OmegaConf structured configs: values are typed); ``recipes/base.yaml`` is
-generated from them (``python -m laconic_nemo.config > recipes/base.yaml``; a test checks it is current).
-An unknown key is an error naming it, so a typo never silently falls back to a default.
-
-Values are checked once, here: a field's range (``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` given to
-:func:`opt`, kept in the field's metadata: :func:`ranged_keys` lists them, :func:`check_ranges` applies every
-one of them), then each section's ``__post_init__`` its rules across fields, :class:`Config`'s the rules across
-sections; :func:`check_layout` adds the rules of a (DP, TP, PP) layout (batch divisibility).
-
-:func:`load_config` returns the :class:`Config` object itself (the dataclasses, with slots: a key the schema does
-not define cannot be set on it either). Below this boundary the code reads its typed fields (``cfg.laconic.budget``)
-and never checks them again; :func:`to_dict` and :func:`to_yaml` give its plain and YAML forms (checkpoints,
-``config.yaml``).
-"""
+"""The recipe schema: one dataclass per section, each field documented where it is defined (its comment in
+recipes/base.yaml) with its allowed values, each section's ``__post_init__`` its rules across fields,
+:class:`Config`'s the rules across sections, :func:`check_layout` the rules of a (DP, TP, PP) layout."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import math
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
-import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from laconic_nemo.config.fields import (
+    SYNTHETIC_ALPHABET,
+    SYNTHETIC_MAX_TERMS,
+    ConfigError,
+    fits,
+    opt,
+    require,
+    section,
+    states_a_target,
+    synthetic_unencodable,
+)
 from laconic_nemo.core.constraints import CarryOver
 from laconic_nemo.core.dual import CONTROLLERS, DualSettingError, DualSettings
 from laconic_nemo.core.shapers import SHAPERS
 from laconic_nemo.runtime.kernels import ATTENTION_CHOICES, REFERENCE_CHOICES, SAMPLER_CHOICES
-
-PACKAGE_RECIPES = Path(__file__).resolve().parent / "recipes"
-# the synthetic task labels its terms with the letters a..l (laconic_nemo.data.synthetic.LETTERS; a test checks)
-SYNTHETIC_MAX_TERMS = 12
-# the characters of the synthetic task's tokenizer (laconic_nemo.data.synthetic.ALPHABET; a test checks)
-SYNTHETIC_ALPHABET = "0123456789:,Q\n\\boxed{}hm. abcdefghijkl"
-# the placeholders a stated-target instruction (data.target_instruction) is written with
-TARGET_PLACEHOLDERS = ("{target}", "{budget}")
-
-
-def states_a_target(instruction: str) -> bool:
-    """Whether ``instruction`` holds a placeholder for the stated target ({target} or {budget})."""
-    return any(p in instruction for p in TARGET_PLACEHOLDERS)
-
-
-def state_target(instruction: str, target: int) -> str:
-    """``instruction`` stating ``target``: its {target} and {budget} replaced by the number."""
-    return str(instruction).format(target=int(target), budget=int(target))
-
-
-def synthetic_unencodable(text: str, template: bool = False) -> list[str]:
-    """The characters of ``text`` the synthetic task's character tokenizer lacks, sorted (placeholders of a
-    ``template`` aside)."""
-    if template:
-        for p in TARGET_PLACEHOLDERS:
-            text = text.replace(p, "")
-    return sorted(set(text) - set(SYNTHETIC_ALPHABET))
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message names the key and the allowed values."""
-
-
-class LayoutError(ConfigError):
-    """The recipe does not fit the requested cluster layout; the message names the key."""
-
-
-def _require(cond: bool, key: str, allowed: str, value) -> None:
-    if not cond:
-        raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
-
-
-def _fits(cond: bool, key: str, value, allowed: str) -> None:
-    if not cond:
-        raise LayoutError(f"{key} = {value!r} does not fit the layout: {allowed}")
-
-
-@dataclass(frozen=True)
-class Range:
-    """The allowed values of a number key (bounds inclusive with ``ge`` / ``le``, exclusive with ``gt`` / ``lt``;
-    NaN and infinities are never allowed) or of a string key (``choices``). Null passes where the field is
-    Optional."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: tuple | None = None
-
-    def allows(self, value: Any) -> bool:
-        if self.choices is not None:
-            return value in self.choices
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-    def describe(self, kind: type) -> str:
-        """The allowed values in words ("an integer >= 1", "a number in (0, 1]", "one of a, b")."""
-        if self.choices is not None:
-            return f"one of {', '.join(map(str, self.choices))}"
-        word = "an integer" if kind is int else "a number"
-        low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
-        high = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
-        if low and high:
-            return f"{word} in {low[0]}{_num(low[1])}, {_num(high[1])}{high[0]}"
-        if low:
-            return f"{word} {'>=' if low[0] == '[' else '>'} {_num(low[1])}"
-        if high:
-            return f"{word} {'<=' if high[0] == ']' else '<'} {_num(high[1])}"
-        return f"a finite {word[2:] if kind is not int else 'integer'}"
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def opt(default: Any, doc: str = "", above: str = "", *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None, choices: Iterable[str] | None = None) -> Any:
-    """A schema field: its default, the comment written beside it in base.yaml, the block written above it and its
-    allowed values (:class:`Range`; checked by :func:`check_ranges` before the sections' own rules)."""
-    meta: dict[str, Any] = {"doc": doc, "above": above}
-    if any(b is not None for b in (ge, gt, le, lt)) or choices is not None:
-        meta["range"] = Range(ge, gt, le, lt, None if choices is None else tuple(choices))
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def section(cls: type, doc: str = "") -> Any:
-    return field(default_factory=cls, metadata={"doc": doc, "above": ""})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -184,14 +69,14 @@ local on CPU). No parameters: checkpoints do not depend on it.""")
 
     def __post_init__(self):
         if self.source in ("hf", "nemo"):
-            _require(bool(self.path), "model.path", "a checkpoint path when model.source is hf or nemo", self.path)
+            require(bool(self.path), "model.path", "a checkpoint path when model.source is hf or nemo", self.path)
         else:  # megatron splits the hidden size into equal heads (hf / nemo checkpoints state their own shape)
-            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+            require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
                      f"a multiple of model.num_attention_heads = {self.num_attention_heads}", self.hidden_size)
-        _require(self.shape_from is None or self.source == "synthetic", "model.shape_from",
+        require(self.shape_from is None or self.source == "synthetic", "model.shape_from",
                  f"null with model.source = {self.source} (the checkpoint states its own shape)", self.shape_from)
         q = self.num_query_groups
-        _require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
+        require(q is None or (q >= 1 and self.num_attention_heads % q == 0), "model.num_query_groups",
                  f"null or a divisor of model.num_attention_heads = {self.num_attention_heads}", q)
 
 
@@ -256,21 +141,21 @@ data.budget_key; null: the rows carry no budget""")
         marker = self.reasoning_marker
         if marker is not None:
             missing = synthetic_unencodable(marker)
-            _require(bool(marker) and not missing, "data.synthetic.reasoning_marker",
+            require(bool(marker) and not missing, "data.synthetic.reasoning_marker",
                      "a non-empty string of the synthetic tokenizer's characters "
                      f"{SYNTHETIC_ALPHABET!r}" + (f" (not encodable: {missing})" if missing else ""), marker)
-        _require(self.min_terms <= self.max_terms, "data.synthetic.min_terms",
+        require(self.min_terms <= self.max_terms, "data.synthetic.min_terms",
                  f"an integer <= data.synthetic.max_terms = {self.max_terms}", self.min_terms)
-        _require(self.p_abbreviated + self.p_compact <= 1, "data.synthetic.p_compact",
+        require(self.p_abbreviated + self.p_compact <= 1, "data.synthetic.p_compact",
                  f"a number in [0, 1 - data.synthetic.p_abbreviated] = [0, {1 - self.p_abbreviated:g}] (the shares "
                  "of the styles sum to at most 1)", self.p_compact)
         lo_hi = list(self.stated_range)
-        _require(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], "data.synthetic.stated_range",
+        require(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], "data.synthetic.stated_range",
                  "[lo, hi] with 1 <= lo <= hi", lo_hi)
         if self.budgets_by_terms is not None:
             n = self.max_terms - self.min_terms + 1
             b = list(self.budgets_by_terms)
-            _require(len(b) == n and all(int(x) >= 1 for x in b), "data.synthetic.budgets_by_terms",
+            require(len(b) == n and all(int(x) >= 1 for x in b), "data.synthetic.budgets_by_terms",
                      f"{n} integers >= 1 (one per k = {self.min_terms}..{self.max_terms}), or null", b)
 
 
@@ -304,27 +189,27 @@ data check names the file and row)""", choices=("recipe", "refuse"))
     def __post_init__(self):
         rng = self.target_length_range
         if rng is not None:
-            _require(len(rng) == 2 and 1 <= rng[0] <= rng[1], "data.target_length_range",
+            require(len(rng) == 2 and 1 <= rng[0] <= rng[1], "data.target_length_range",
                      "[min, max] with 1 <= min <= max, or null", list(rng))
         tl = self.target_lengths
         if tl is not None:
-            _require(len(tl) > 0 and all(int(t) >= 1 for t in tl), "data.target_lengths",
+            require(len(tl) > 0 and all(int(t) >= 1 for t in tl), "data.target_lengths",
                      "a non-empty list of integers >= 1, or null", list(tl))
-            _require(rng is None, "data.target_lengths", "null when data.target_length_range is set (one source of "
+            require(rng is None, "data.target_lengths", "null when data.target_length_range is set (one source of "
                      "stated targets)", list(tl))
         if rng is not None or tl is not None:
-            _require(states_a_target(self.target_instruction),
+            require(states_a_target(self.target_instruction),
                      "data.target_instruction", "a template with {target} or {budget} (where the prompt states its "
                      "target)", self.target_instruction)
         if self.budget_key is not None:
-            _require(bool(self.budget_key), "data.budget_key", "a non-empty field name or null", self.budget_key)
-            _require(self.kind == "math" or self.synthetic.budgets_by_terms is not None, "data.budget_key",
+            require(bool(self.budget_key), "data.budget_key", "a non-empty field name or null", self.budget_key)
+            require(self.kind == "math" or self.synthetic.budgets_by_terms is not None, "data.budget_key",
                      "null with data.kind = synthetic unless data.synthetic.budgets_by_terms is set (the synthetic "
                      "rows' budgets)", self.budget_key)
-            _require(rng is None and tl is None, "data.budget_key", "null when data.target_length_range or "
+            require(rng is None and tl is None, "data.budget_key", "null when data.target_length_range or "
                      "data.target_lengths is set (one source of per-prompt budgets)", self.budget_key)
         if self.kind == "synthetic" and self.synthetic.budgets_by_terms is not None:
-            _require(self.budget_key is not None, "data.synthetic.budgets_by_terms", "null unless data.budget_key names "
+            require(self.budget_key is not None, "data.synthetic.budgets_by_terms", "null unless data.budget_key names "
                      "the rows' budget field", list(self.synthetic.budgets_by_terms))
 
     def stated_budgets(self) -> list[int] | None:
@@ -405,10 +290,10 @@ cpu (pageable host memory, copies) | auto (device)""", choices=REFERENCE_CHOICES
 
     def __post_init__(self):
         rollout_size = self.rollout_batch
-        _require(rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
+        require(rollout_size % self.minibatch_size == 0, "grpo.minibatch_size",
                  f"a divisor of num_prompts_per_step * group_size = {rollout_size}", self.minibatch_size)
         if self.clip_eps_high is not None:
-            _require(self.clip_eps_high >= self.clip_eps, "grpo.clip_eps_high", ">= grpo.clip_eps or null",
+            require(self.clip_eps_high >= self.clip_eps, "grpo.clip_eps_high", ">= grpo.clip_eps or null",
                      self.clip_eps_high)
 
 
@@ -486,7 +371,7 @@ Only true is accepted: separate vLLM GPUs need a weight channel (not implemented
     def __post_init__(self):
         # Separate-GPU vLLM has no weight channel: every rank's engine would land on cuda:0 (vLLM's UniProcExecutor)
         # and the in-process refit cannot cross to vLLM's TP worker processes.
-        _require(bool(self.colocate), "rollout.vllm.colocate", "true (vLLM on separate GPUs is not implemented)",
+        require(bool(self.colocate), "rollout.vllm.colocate", "true (vLLM on separate GPUs is not implemented)",
                  self.colocate)
 
 
@@ -537,7 +422,7 @@ the flagship recipes fit with it (docs/architecture.md, "Rollout engine")""",
 
     def __post_init__(self):
         b = list(self.batch_buckets)
-        _require(len(b) > 0 and all(x >= 1 for x in b) and all(x < y for x, y in zip(b, b[1:])),
+        require(len(b) > 0 and all(x >= 1 for x in b) and all(x < y for x, y in zip(b, b[1:])),
                  "rollout.batch_buckets", "a non-empty, strictly increasing list of integers >= 1", b)
 
 
@@ -590,17 +475,8 @@ Defaults as NeMo's exp_manager (framework default): TensorBoard on, W&B off.""")
 uploaded later with `wandb sync`)""", choices=("online", "offline"))
 
     def __post_init__(self):
-        _require(bool(self.wandb_project), "logging.wandb_project", "a non-empty W&B project name",
+        require(bool(self.wandb_project), "logging.wandb_project", "a non-empty W&B project name",
                  self.wandb_project)
-
-
-BASE_HEADER = """Base configuration shared by every recipe. A recipe names this file in `defaults:` and overrides
-what differs. Every key is documented here, where it is defined; `laconic-nemo plan` rejects keys
-that are not defined here. GENERATED from the dataclasses of laconic_nemo/config.py: edit those and run
-`python -m laconic_nemo.config > recipes/base.yaml`.
-
-Notation as in the paper: B = laconic.budget, L_max = rollout.max_new_tokens, G = grpo.group_size,
-eta = laconic.eta, Lambda = laconic.ceiling."""
 
 
 @dataclass(slots=True)
@@ -624,7 +500,7 @@ class Config:
         """The rules across sections."""
         lc, lmax = self.laconic, self.rollout.max_new_tokens
         if lc.shaper in ("laconic", "linear", "fixed"):
-            _require(lmax > lc.budget, "laconic.budget", f"< rollout.max_new_tokens = {lmax} (L_max must exceed B)",
+            require(lmax > lc.budget, "laconic.budget", f"< rollout.max_new_tokens = {lmax} (L_max must exceed B)",
                      lc.budget)
         # the lambda controller's settings, by its own check (core.dual.check_dual); the other shapers build no
         # controller, but its keys still hold valid values (their lambda_init is not bounded by a ceiling)
@@ -635,7 +511,7 @@ class Config:
         except DualSettingError as exc:
             raise ConfigError(f"{_DUAL_KEYS.get(exc.key, 'laconic.' + exc.key)} = {exc.value!r} is invalid: allowed "
                               f"{exc.allowed}") from None
-        _require(not SHAPERS[lc.shaper].needs_targets or self.data.stated_budgets() is not None,
+        require(not SHAPERS[lc.shaper].needs_targets or self.data.stated_budgets() is not None,
                  "data.target_length_range", f"[min, max] (or a set, data.target_lengths) with laconic.shaper = "
                  f"{lc.shaper} (the shaper needs per-prompt target lengths)", None)
         if self.data.kind == "synthetic" and (self.data.stated_budgets() is not None
@@ -643,22 +519,22 @@ class Config:
             # the stated target reaches the prompt through the synthetic task's character tokenizer
             text = str(self.data.target_instruction)
             missing = synthetic_unencodable(text, template=True)
-            _require(states_a_target(text) and not missing, "data.target_instruction",
+            require(states_a_target(text) and not missing, "data.target_instruction",
                      "a text holding {target} (or {budget}), in the synthetic tokenizer's characters "
                      f"{SYNTHETIC_ALPHABET!r} with data.kind = synthetic"
                      + (f" (not encodable: {missing})" if missing else ""), text)
         _check_constraints(self)
         if lc.shaper == "overlong":
-            _require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",
+            require(0 < lc.overlong_buffer <= lmax, "laconic.overlong_buffer",
                      f"a number of tokens in (0, rollout.max_new_tokens = {lmax}]", lc.overlong_buffer)
         # vLLM with PP > 1: every pipeline stage would own a whole vLLM engine and sample its own responses (the
         # engine's tokens are not broadcast across stages as the megatron sampler's are), so the stages could train
         # on different rollouts
-        _require(self.rollout.engine != "vllm" or self.parallel.pipeline_model_parallel_size == 1, "rollout.engine",
+        require(self.rollout.engine != "vllm" or self.parallel.pipeline_model_parallel_size == 1, "rollout.engine",
                  f"megatron with parallel.pipeline_model_parallel_size = {self.parallel.pipeline_model_parallel_size}"
                  " (the vLLM engine samples on every pipeline stage independently; it needs PP = 1)",
                  self.rollout.engine)
-        _require(not self.checkpoint.export_hf or self.model.source == "hf", "checkpoint.export_hf",
+        require(not self.checkpoint.export_hf or self.model.source == "hf", "checkpoint.export_hf",
                  f"false with model.source = {self.model.source} (only hf runs have a Hugging Face architecture)",
                  self.checkpoint.export_hf)
         for key in self.checkpoint.resume_allow_changes:
@@ -672,7 +548,7 @@ class Config:
             node: Any = self
             for part in str(key).split("."):
                 node = getattr(node, part, _MISSING) if dataclasses.is_dataclass(node) else _MISSING
-            _require(node is not _MISSING, "checkpoint.resume_allow_changes",
+            require(node is not _MISSING, "checkpoint.resume_allow_changes",
                      "a list of config keys (e.g. [run.seed]) and carry-over entries (class:new, class:dropped, "
                      "class:budgets, class:OLD=NEW, tail:carry, tail:reset)", str(key))
         try:
@@ -686,47 +562,47 @@ def _check_constraints(cfg: "Config") -> None:
     tail_*), each naming its key."""
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     if lc.reasoning_marker is not None:
-        _require(bool(lc.reasoning_marker), "laconic.reasoning_marker", "a non-empty string or null",
+        require(bool(lc.reasoning_marker), "laconic.reasoning_marker", "a non-empty string or null",
                  lc.reasoning_marker)
     if lc.tail_budget is not None:
-        _require(lc.tail_budget < lmax, "laconic.tail_budget", f"< rollout.max_new_tokens = {lmax}", lc.tail_budget)
-        _require(lc.tail_init <= lc.tail_ceiling, "laconic.tail_init",
+        require(lc.tail_budget < lmax, "laconic.tail_budget", f"< rollout.max_new_tokens = {lmax}", lc.tail_budget)
+        require(lc.tail_init <= lc.tail_ceiling, "laconic.tail_init",
                  f"a number in [0, laconic.tail_ceiling = {lc.tail_ceiling:g}]", lc.tail_init)
     edges = lc.budget_classes
     if edges is not None:
         e = [float(x) for x in edges]
-        _require(lc.per_prompt_budget, "laconic.budget_classes", "null unless laconic.per_prompt_budget = true",
+        require(lc.per_prompt_budget, "laconic.budget_classes", "null unless laconic.per_prompt_budget = true",
                  list(edges))
-        _require(len(e) >= 2 and all(x > 0 and math.isfinite(x) for x in e) and all(a < b for a, b in zip(e, e[1:])),
+        require(len(e) >= 2 and all(x > 0 and math.isfinite(x) for x in e) and all(a < b for a, b in zip(e, e[1:])),
                  "laconic.budget_classes", "at least two strictly increasing bin edges > 0, or null", list(edges))
     if not lc.per_prompt_budget:
-        _require(d.budget_key is None, "data.budget_key", "null unless laconic.per_prompt_budget = true", d.budget_key)
+        require(d.budget_key is None, "data.budget_key", "null unless laconic.per_prompt_budget = true", d.budget_key)
         return
-    _require(lc.shaper in ("laconic", "linear"), "laconic.per_prompt_budget",
+    require(lc.shaper in ("laconic", "linear"), "laconic.per_prompt_budget",
              f"false with laconic.shaper = {lc.shaper} (per-class multipliers need an adaptive shaper: laconic, "
              "linear)", True)
     stated = d.stated_budgets()
-    _require(stated is not None or d.budget_key is not None, "laconic.per_prompt_budget",
+    require(stated is not None or d.budget_key is not None, "laconic.per_prompt_budget",
              "false without a source of budgets (data.budget_key, data.target_lengths or data.target_length_range)",
              True)
     if d.target_length_range is not None:
-        _require(edges is not None, "laconic.budget_classes", "bin edges with data.target_length_range (one class "
+        require(edges is not None, "laconic.budget_classes", "bin edges with data.target_length_range (one class "
                  "per integer target is too many multipliers)", None)
     if stated is not None:
-        _require(max(stated) < lmax, "data.target_lengths" if d.target_lengths is not None
+        require(max(stated) < lmax, "data.target_lengths" if d.target_lengths is not None
                  else "data.target_length_range", f"targets < rollout.max_new_tokens = {lmax} (L_max must exceed "
                  "every budget)", max(stated))
         if edges is not None:
             e = [float(x) for x in edges]
-            _require(e[0] <= min(stated) and max(stated) <= e[-1], "laconic.budget_classes",
+            require(e[0] <= min(stated) and max(stated) <= e[-1], "laconic.budget_classes",
                      f"bins covering every target [{min(stated)}, {max(stated)}]", list(edges))
             for k in range(len(e) - 1):
                 last = k == len(e) - 2
                 held = any(e[k] <= b < e[k + 1] or (last and b == e[-1]) for b in stated)
-                _require(held, "laconic.budget_classes", "bins that each hold a budget of the run (bin "
+                require(held, "laconic.budget_classes", "bins that each hold a budget of the run (bin "
                          f"[{e[k]:g}, {e[k + 1]:g}) holds none)", list(edges))
     if d.budget_key is not None and d.budget_missing == "recipe":
-        _require(lc.budget < lmax, "laconic.budget", f"< rollout.max_new_tokens = {lmax}", lc.budget)
+        require(lc.budget < lmax, "laconic.budget", f"< rollout.max_new_tokens = {lmax}", lc.budget)
 
 
 _MISSING = object()
@@ -742,311 +618,13 @@ def check_layout(cfg: Config, dp: int) -> None:
     g = cfg.grpo
     prompts, G, mini, mbs, rollout = g.num_prompts_per_step, g.group_size, g.minibatch_size, g.micro_batch_size, \
         g.rollout_batch
-    _fits(prompts % dp == 0, "grpo.num_prompts_per_step", prompts,
+    fits(prompts % dp == 0, "grpo.num_prompts_per_step", prompts,
           f"divisible by DP = {dp} so that every data-parallel rank holds whole groups of G = {G}")
-    _fits(rollout % mini == 0, "grpo.minibatch_size", mini,
+    fits(rollout % mini == 0, "grpo.minibatch_size", mini,
           f"a divisor of the rollout batch num_prompts_per_step x G = {rollout}")
-    _fits(mini % dp == 0, "grpo.minibatch_size", mini, f"divisible by DP = {dp}")
-    _fits(mini % (dp * mbs) == 0, "grpo.micro_batch_size", mbs,
+    fits(mini % dp == 0, "grpo.minibatch_size", mini, f"divisible by DP = {dp}")
+    fits(mini % (dp * mbs) == 0, "grpo.micro_batch_size", mbs,
           f"DP x micro_batch_size = {dp} x {mbs} must divide grpo.minibatch_size = {mini}")
     if cfg.warmup.num_steps > 0:
-        _fits(cfg.warmup.batch_size % dp == 0, "warmup.batch_size", cfg.warmup.batch_size,
+        fits(cfg.warmup.batch_size % dp == 0, "warmup.batch_size", cfg.warmup.batch_size,
               f"divisible by DP = {dp}")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# loading
-# ------------------------------------------------------------------------------------------------------------------
-def base_config_path() -> Path:
-    for folder in (REPO_RECIPES, PACKAGE_RECIPES):
-        if (folder / "base.yaml").is_file():
-            return folder / "base.yaml"
-    raise ConfigError("recipes/base.yaml not found next to the package")
-
-
-def resolve_recipe_path(name: str | Path) -> Path:
-    """A recipe path, or a bare recipe name looked up in the recipes folder."""
-    p = Path(name)
-    # Recipe names contain dots (deepscaler_1.5b_b2000), so ".yaml" is appended, never substituted.
-    candidates = [p] if p.name.endswith(".yaml") else [p, p.with_name(p.name + ".yaml")]
-    for folder in (REPO_RECIPES, PACKAGE_RECIPES):
-        candidates += [folder / p.name, folder / f"{p.name}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise ConfigError(f"recipe {str(name)!r} not found (looked for {', '.join(str(c) for c in candidates[:4])})")
-
-
-def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    if path in seen:
-        raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(str(s) for s in (*seen, path))}")
-    try:
-        raw = OmegaConf.load(path)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} {not_utf8(path, exc)}") from None
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"{path}: {omegaconf_message(exc)}") from None
-    if not isinstance(raw, DictConfig):
-        raise ConfigError(f"{path}: a recipe must be a mapping")
-    parents = raw.pop("defaults", None) or []
-    if isinstance(parents, (str,)):
-        parents = [parents]
-    if not isinstance(parents, (list, ListConfig)):
-        raise ConfigError(f"{path}: `defaults` must be a list of recipe names")
-    merged = OmegaConf.create({})
-    for parent in parents:
-        parent_path = path.parent / str(parent)
-        if not parent_path.name.endswith(".yaml"):
-            parent_path = parent_path.with_name(parent_path.name + ".yaml")
-        if not parent_path.is_file():
-            raise ConfigError(f"{path}: defaults entry {parent!r} not found at {parent_path}")
-        merged = OmegaConf.merge(merged, _load_with_defaults(parent_path.resolve(), (*seen, path)))
-    return OmegaConf.merge(merged, raw)
-
-
-def not_utf8(path: str | Path, exc: UnicodeDecodeError) -> str:
-    """Where in ``path`` the bytes that are not UTF-8 sit ("line 3, column 7: byte 0xff is not UTF-8 text")."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError:
-        data = exc.object if isinstance(exc.object, bytes) else b""
-    head = data[: exc.start]
-    line, column = head.count(b"\n") + 1, exc.start - (head.rfind(b"\n") + 1) + 1
-    return f"line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8 text (save the file as UTF-8)"
-
-
-def omegaconf_message(exc: OmegaConfBaseException) -> str:
-    """One line for an OmegaConf error: the key, what is wrong and, for an interpolation, what is allowed."""
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    key = getattr(exc, "full_key", None)
-    allowed = ""
-    if "nterpolation" in type(exc).__name__ or "Grammar" in type(exc).__name__:
-        allowed = " (allowed: a value, or ${section.key} naming an existing key, e.g. ${run.name})"
-    return f"{key}: {first}{allowed}" if key else f"{first}{allowed}"
-
-
-def _check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
-    for key in cfg.keys():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(f"unknown config key {dotted!r} (known keys here: {', '.join(sorted(fields))})")
-        sub_schema = hints[key]
-        if dataclasses.is_dataclass(sub_schema):
-            sub = cfg[key]
-            if not isinstance(sub, DictConfig):
-                raise ConfigError(f"{dotted} = {sub!r} is invalid: allowed a mapping of the keys "
-                                  f"{', '.join(sorted(f.name for f in dataclasses.fields(sub_schema)))}")
-            _check_known_keys(sub, sub_schema, prefix=f"{dotted}.")
-
-
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
-
-
-def _kind(annotation: Any) -> tuple[type, bool]:
-    """(int | float | bool | str | list, nullable) of a field annotation."""
-    nullable = False
-    if typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation, nullable = args[0], True
-    if typing.get_origin(annotation) in (list, List):
-        return list, nullable
-    return annotation, nullable
-
-
-def _type_ok(value: Any, kind: type) -> bool:
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is list:
-        return isinstance(value, (list, ListConfig))
-    return isinstance(value, kind)
-
-
-def check_types(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
-    """Every value has its field's type (an integer key refuses 2.7 and "abc", a list key refuses a string, a
-    number key takes integers); ``Optional`` fields also take null."""
-    schema = Config if schema is None else schema
-    hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        if f.name not in cfg:
-            continue
-        dotted, value, annotation = f"{prefix}{f.name}", cfg[f.name], hints[f.name]
-        if dataclasses.is_dataclass(annotation):
-            check_types(value, annotation, f"{dotted}.")
-            continue
-        kind, nullable = _kind(annotation)
-        if value is None and nullable:
-            continue
-        if not _type_ok(value, kind):
-            hint = f" (write a list: {dotted}=[{value}])" if kind is list and isinstance(value, str) else ""
-            allowed = _TYPE_WORDS[kind] + (" or null" if nullable else "")
-            raise ConfigError(f"{dotted} = {value!r} is invalid: allowed {allowed}{hint}")
-
-
-def ranged_keys(schema: type = None, prefix: str = "") -> list[tuple[str, Range, type, bool]]:
-    """(dotted key, range, int | float | str, nullable) of every field with a range, section by section."""
-    schema = Config if schema is None else schema
-    hints = typing.get_type_hints(schema)
-    out = []
-    for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += ranged_keys(hints[f.name], f"{prefix}{f.name}.")
-        elif "range" in f.metadata:
-            kind, nullable = _kind(hints[f.name])
-            out.append((f"{prefix}{f.name}", f.metadata["range"], kind, nullable))
-    return out
-
-
-def check_ranges(cfg: DictConfig) -> None:
-    """Every value inside its field's range (:class:`Range`); raises ConfigError naming the key and the range."""
-    for key, rng, kind, nullable in ranged_keys():
-        value = OmegaConf.select(cfg, key)
-        if value is None and nullable:
-            continue
-        if not rng.allows(value):
-            allowed = rng.describe(kind) + (" or null" if nullable else "")
-            raise ConfigError(f"{key} = {value!r} is invalid: allowed {allowed}")
-
-
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Load ``path`` with its defaults chain and ``overrides``: the checked :class:`Config`.
-
-    Unknown keys, mistyped values, values outside their range and broken rules across keys raise ConfigError naming
-    the key; interpolations such as ``${run.name}`` are expanded."""
-    recipe = resolve_recipe_path(path)
-    cfg = _load_with_defaults(recipe)
-    _check_known_keys(cfg, Config)
-    overrides = list(overrides)
-    if overrides:
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like key=value")
-        try:
-            ov = OmegaConf.from_dotlist(overrides)
-        except OmegaConfBaseException as exc:  # omegaconf raises several grammar errors
-            raise ConfigError(f"cannot parse the overrides: {omegaconf_message(exc)}") from None
-        except Exception as exc:
-            raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from exc
-        _check_known_keys(ov, Config)
-        cfg = OmegaConf.merge(cfg, ov)
-    return build_config(cfg)
-
-
-_SCHEMA: list = []
-
-
-def _schema() -> tuple[DictConfig, dict]:
-    """The structured config of :class:`Config` and its plain defaults, built once (building them is most of
-    the cost of loading a recipe)."""
-    if not _SCHEMA:
-        structured = OmegaConf.structured(Config)
-        _SCHEMA.extend([structured, OmegaConf.to_container(structured)])
-    return _SCHEMA[0], _SCHEMA[1]
-
-
-def build_config(values: Any) -> Config:
-    """The checked :class:`Config` from a mapping of recipe values (missing keys take their defaults): unknown
-    keys, mistyped values, values outside their range and broken rules across keys raise ConfigError naming the
-    key."""
-    try:
-        cfg = values if isinstance(values, DictConfig) else OmegaConf.create(values)
-        _check_known_keys(cfg, Config)
-        # untyped first (the type check names the key in this module's words), typed once the values passed it
-        plain = OmegaConf.merge(OmegaConf.create(_schema()[1]), cfg)
-        OmegaConf.resolve(plain)  # an interpolation naming a missing key fails here, naming the key
-    except OmegaConfBaseException as exc:
-        raise ConfigError(omegaconf_message(exc)) from None
-    check_types(plain)
-    return validate_config(OmegaConf.merge(_schema()[0], plain))  # merge copies its first argument
-
-
-def validate_config(cfg: DictConfig) -> Config:
-    """The fields' ranges (:func:`check_ranges`), then the rules across fields and sections (the sections' and
-    :class:`Config`'s ``__post_init__``, run as the objects are built). Returns the :class:`Config`; raises
-    ConfigError."""
-    check_ranges(cfg)
-    return OmegaConf.to_object(cfg)
-
-
-def defaults() -> dict[str, Any]:
-    """Every key's default, section by section, interpolations unresolved (``${run.name}``): recipes/base.yaml as
-    plain values."""
-    return copy.deepcopy(_schema()[1])
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    """The plain form of ``cfg`` (nested dicts and lists, section by section in schema order): what a checkpoint's
-    trainer state and a W&B run hold."""
-    return dataclasses.asdict(cfg)
-
-
-def to_yaml(cfg: Config) -> str:
-    """``cfg`` as YAML (a run's ``config.yaml``; :func:`load_config` reads it back)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# recipes/base.yaml, generated from the dataclasses
-# ------------------------------------------------------------------------------------------------------------------
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        text = repr(value)
-        if "e" in text:
-            mantissa, exp = text.split("e")
-            text = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{int(exp)}"
-        return text
-    if isinstance(value, list):
-        return "[" + ", ".join(_scalar(v) for v in value) + "]"
-    if isinstance(value, str):
-        plain = value == value.strip() and "#" not in value and ": " not in value and yaml.safe_load(value) == value
-        return value if plain and value else json.dumps(value)
-    return str(value)
-
-
-def _comment_block(text: str, indent: str) -> list[str]:
-    return [f"{indent}# {line}".rstrip() for line in text.splitlines()]
-
-
-def _render(schema: type, indent: str) -> list[str]:
-    lines: list[str] = []
-    hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        if f.metadata.get("above"):
-            lines += _comment_block(f.metadata["above"], indent)
-        doc = f.metadata.get("doc", "").splitlines()
-        if dataclasses.is_dataclass(hints[f.name]):
-            head = f"{indent}{f.name}:"
-            body = _render(hints[f.name], indent + "  ")
-        else:
-            head = f"{indent}{f.name}: {_scalar(f.default_factory() if f.default is dataclasses.MISSING else f.default)}"
-            body = []
-        if doc:
-            col = max(len(head) + 2, 31)
-            lines.append(f"{head.ljust(col)}# {doc[0]}")
-            lines += [f"{' ' * col}# {line}" for line in doc[1:]]
-        else:
-            lines.append(head)
-        lines += body
-        if not indent:
-            lines.append("")
-    return lines
-
-
-def render_base_yaml() -> str:
-    """The text of recipes/base.yaml: every key, its default and its documentation."""
-    return "\n".join([*_comment_block(BASE_HEADER, ""), "", *_render(Config, "")]).rstrip() + "\n"
-
-
-if __name__ == "__main__":
-    print(render_base_yaml(), end="")

@@ -32,7 +32,8 @@ unless a :class:`CarryOver` says how to carry the state over (``checkpoint.resum
 :meth:`CarryOver.parse`). The state of older checkpoints (one list of multipliers beside the list of class names)
 is read when it is unambiguous: as many multipliers as names, and the names those its own budgets and bin edges
 give. :func:`classes_state_problem` and :func:`tail_state_problem` name a bad value inside a saved state (key,
-value, allowed) without a run to load it into.
+value, allowed) without a run to load it into. The saved-state functions live in
+:mod:`laconic_nemo.core.constraint_state` and are importable from here.
 """
 
 from __future__ import annotations
@@ -40,13 +41,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from laconic_nemo.core.constraint_state import (
+    CarryOver,
+    ConstraintStateMismatch,
+    class_name,
+    classes_state_problem,
+    match_classes,
+    saved_classes,
+    tail_key,
+    tail_state_problem,
+)
 from laconic_nemo.core.costs import per_prompt_cost64
-from laconic_nemo.core.dual import DualController, DualSettings, dual_state_problem, next_lambda
+from laconic_nemo.core.dual import DualController, DualSettings, next_lambda
 from laconic_nemo.core.shapers import constant_lambda, lambda_controller
 
 __all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "WITHIN",
@@ -97,13 +107,6 @@ def reasoning_lengths(tokens: torch.Tensor, prompt_lengths: torch.Tensor, respon
 # ------------------------------------------------------------------------------------------------------------------
 # per-prompt budgets and their classes
 # ------------------------------------------------------------------------------------------------------------------
-def class_name(lo: float, hi: float | None = None) -> str:
-    """The metric suffix of a class: its budget (``500``), or its bin ``[lo, hi)`` (``500-1000``)."""
-    def num(x: float) -> str:
-        return str(int(x)) if float(x).is_integer() else f"{x:g}"
-    return num(lo) if hi is None else f"{num(lo)}-{num(hi)}"
-
-
 class BudgetClasses:
     """The budget classes of a run and one multiplier lambda_k per class.
 
@@ -256,209 +259,6 @@ class BudgetClasses:
             d.load_state_dict(saved[source]["dual"], strict=strict and same)
 
 
-def class_budgets_from_state(budgets: Sequence[float], edges: Sequence[float] | None) -> dict[str, list[float]]:
-    """``{class key: its budgets}`` of the classes that ``budgets`` and bin ``edges`` make (as
-    :class:`BudgetClasses` builds them). Raises ValueError where they make no classes."""
-    out: dict[str, list[float]] = {}
-    values = sorted({float(b) for b in budgets})
-    if edges is None:
-        return {class_name(b): [b] for b in values}
-    e = [float(x) for x in edges]
-    for b in values:
-        if not e[0] <= b <= e[-1]:
-            raise ValueError(f"budget {b:g} lies outside the bins [{e[0]:g}, {e[-1]:g}]")
-        k = min(bisect.bisect_right(e, b) - 1, len(e) - 2)
-        out.setdefault(class_name(e[k], e[k + 1]), []).append(b)
-    return out
-
-
-def _number_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                           and math.isfinite(x) for x in value)
-
-
-def classes_state_problem(state: Any) -> tuple[str, Any, str] | None:
-    """What is wrong with a saved :meth:`BudgetClasses.state_dict` (or the list form of older checkpoints):
-    ``(key, value, allowed)`` with the key relative to the state (``classes.500.dual.lam``), or None. A list form
-    that cannot be keyed unambiguously (:func:`saved_classes`) is a problem too."""
-    if not isinstance(state, Mapping):
-        return "", state, "a mapping with the budget classes' state"
-    edges = state.get("edges")
-    if edges is not None and not (_number_list(edges) and len(edges) >= 2):
-        return "edges", edges, "null or a list of at least two bin edges"
-    if "classes" in state:
-        classes = state["classes"]
-        if not isinstance(classes, Mapping) or not classes:
-            return "classes", classes, "a non-empty mapping of class key -> {budgets, dual}"
-        for key, entry in classes.items():
-            if not isinstance(entry, Mapping):
-                return f"classes.{key}", entry, "a mapping {budgets, dual}"
-            if not (_number_list(entry.get("budgets")) and entry["budgets"]):
-                return f"classes.{key}.budgets", entry.get("budgets", "(missing)"), "a non-empty list of finite numbers"
-        duals = {f"classes.{k}.dual": entry.get("dual") for k, entry in classes.items()}
-    else:  # the list form of older checkpoints
-        problem = _list_form_problem(state)
-        if problem is not None:
-            return problem
-        duals = {f"duals.{i}": d for i, d in enumerate(state["duals"])}
-    for where, dual in duals.items():
-        problem = dual_state_problem(dual)
-        if problem is not None:
-            return (f"{where}.{problem[0]}" if problem[0] else where), problem[1], problem[2]
-    return None
-
-
-def _list_form_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
-    """Why the list form of an older checkpoint's classes (``budgets``, ``edges``, ``names``, ``duals`` in the order
-    of ``names``) cannot be keyed unambiguously, or None: it needs as many multipliers as names, and the names
-    those its own budgets and bin edges make."""
-    for key in ("budgets", "names", "duals"):
-        if not isinstance(state.get(key), list):
-            return key, state.get(key, "(missing)"), "a list (older checkpoints), or the mapping 'classes' instead"
-    if not _number_list(state["budgets"]) or not state["budgets"]:
-        return "budgets", state["budgets"], "a non-empty list of finite numbers"
-    try:
-        made = list(class_budgets_from_state(state["budgets"], state.get("edges")))
-    except ValueError as exc:
-        return "budgets", state["budgets"], f"budgets inside the bin edges ({exc})"
-    names = [str(n) for n in state["names"]]
-    if names != made:
-        return "names", state["names"], f"the classes its budgets and bin edges make, {made} (else which multiplier " \
-                                        "belongs to which class is ambiguous)"
-    if len(state["duals"]) != len(names):
-        return "duals", f"a list of {len(state['duals'])}", f"one multiplier per class of 'names' ({len(names)}: " \
-                                                             f"{', '.join(names)}; else which belongs to which " \
-                                                             "class is ambiguous)"
-    return None
-
-
-def saved_classes(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{class key: {"budgets": [...], "dual": controller state}}`` of a saved :meth:`BudgetClasses.state_dict`;
-    the list form of older checkpoints keyed by its names where that is unambiguous (:func:`classes_state_problem`
-    says why not: ValueError)."""
-    problem = classes_state_problem(state)
-    if problem is not None:
-        key, value, allowed = problem
-        raise ValueError(f"budget classes state: key {key or '(the state)'} = {value!r} is invalid: allowed {allowed}")
-    if "classes" in state:
-        return {str(k): {"budgets": [float(b) for b in v["budgets"]], "dual": v["dual"]}
-                for k, v in state["classes"].items()}
-    members = class_budgets_from_state(state["budgets"], state.get("edges"))
-    return {str(n): {"budgets": members[str(n)], "dual": d} for n, d in zip(state["names"], state["duals"])}
-
-
-class ConstraintStateMismatch(ValueError):
-    """The saved constraints differ from this run's and nothing says how to carry them over. ``entries``: the
-    ``checkpoint.resume_allow_changes`` entries that would accept the difference (each carries the state over
-    in one documented way, :class:`CarryOver`)."""
-
-    def __init__(self, message: str, entries: Sequence[str]):
-        super().__init__(message)
-        self.entries = list(entries)
-
-
-@dataclass(frozen=True)
-class CarryOver:
-    """How a resume carries the constraint state over where this run's constraints differ from the checkpoint's
-    (each field one ``checkpoint.resume_allow_changes`` entry; default: every difference is refused).
-
-    renames: this run's class key -> the checkpoint's class key whose multiplier it takes (``class:OLD=NEW``).
-    new: a class the checkpoint lacks starts at lambda_init (``class:new``).
-    dropped: the multiplier of a checkpoint class this run lacks is dropped (``class:dropped``).
-    budgets: a class (a bin) whose budgets differ from the checkpoint's keeps its multiplier (``class:budgets``).
-    tail: "carry" (``tail:carry``): a tail constraint with another B_tail or q keeps the checkpoint's mu (clipped
-        into this run's [0, tail_ceiling]); "reset" (``tail:reset``): it starts at tail_init (also when the
-        checkpoint has no tail constraint); None: refused.
-    """
-
-    renames: Mapping[str, str] = field(default_factory=dict)
-    new: bool = False
-    dropped: bool = False
-    budgets: bool = False
-    tail: str | None = None
-
-    PREFIXES = ("class:", "tail:")
-
-    @classmethod
-    def is_entry(cls, entry: str) -> bool:
-        """``entry`` is meant as a carry-over entry (it starts with ``class:`` or ``tail:``), not a config key."""
-        return str(entry).startswith(cls.PREFIXES)
-
-    @classmethod
-    def parse(cls, entries: Sequence[str]) -> "CarryOver":
-        """The carry-over entries among ``entries`` (config keys are left out); ValueError naming a bad one."""
-        renames: dict[str, str] = {}
-        flags = {"new": False, "dropped": False, "budgets": False}
-        tail = None
-        for entry in (str(e) for e in entries if cls.is_entry(e)):
-            kind, _, what = entry.partition(":")
-            if kind == "tail" and what in ("carry", "reset"):
-                if tail not in (None, what):
-                    raise ValueError(f"{entry!r} contradicts 'tail:{tail}'")
-                tail = what
-            elif kind == "class" and what in flags:
-                flags[what] = True
-            elif kind == "class" and what.count("=") == 1 and all(what.split("=")):
-                old, new = what.split("=")
-                if new in renames and renames[new] != old:
-                    raise ValueError(f"{entry!r}: class {new} already takes class {renames[new]}")
-                renames[new] = old
-            else:
-                raise ValueError(f"{entry!r} is not a carry-over entry: allowed class:new, class:dropped, "
-                                 "class:budgets, class:OLD=NEW (class keys as in the metric names, e.g. "
-                                 "class:500-1000=500-1200), tail:carry or tail:reset")
-        return cls(renames=renames, tail=tail, **flags)
-
-
-def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: BudgetClasses, carry: CarryOver
-                  ) -> dict[str, str | None]:
-    """Which saved class each class of this run continues: ``{this run's key: the saved key, or None (starts at
-    lambda_init)}``, by key (a renamed class by ``carry.renames``).
-
-    Raises :class:`ConstraintStateMismatch` listing every difference ``carry`` does not accept: a class of this
-    run the checkpoint lacks, a saved class this run lacks, a class whose budgets differ, a rename that names a
-    class neither side has."""
-    problems, entries = [], []
-    plan: dict[str, str | None] = {}
-    used = set()
-    for new, old in carry.renames.items():
-        if new not in classes.names or old not in saved:
-            problems.append(f"class:{old}={new} names "
-                            + (f"class {old}, which the checkpoint lacks" if old not in saved else
-                               f"class {new}, which this run lacks"))
-    for k, name in enumerate(classes.names):
-        source = carry.renames.get(name, name)
-        if source not in saved:
-            plan[name] = None
-            if not carry.new and name not in carry.renames:
-                problems.append(f"class {name} is new (the checkpoint lacks it)")
-                entries.append("class:new")
-            continue
-        plan[name] = source
-        used.add(source)
-        before, now = [float(b) for b in saved[source]["budgets"]], classes.class_budgets(k)
-        if before != now and source == name and not carry.budgets:
-            problems.append(f"class {name} holds the budgets {_show(now)}, the checkpoint's {_show(before)}")
-            entries.append("class:budgets")
-    gone = [k for k in saved if k not in used]
-    if gone and not carry.dropped:
-        problems.append(f"class{'es' if len(gone) > 1 else ''} {', '.join(gone)} of the checkpoint "
-                        f"{'are' if len(gone) > 1 else 'is'} gone from this run")
-        entries.append("class:dropped")
-    new_keys = [n for n in classes.names if n not in saved and n not in carry.renames]
-    if len(gone) == 1 and len(new_keys) == 1:  # one class for another: most likely a renamed budget or bin
-        entries = [e for e in entries if e not in ("class:new", "class:dropped")] + [f"class:{gone[0]}={new_keys[0]}"]
-    if problems:
-        raise ConstraintStateMismatch(
-            f"the budget classes differ: the checkpoint has {', '.join(saved) or 'none'}, this run "
-            f"{', '.join(classes.names)}: {'; '.join(problems)}", list(dict.fromkeys(entries)))
-    return plan
-
-
-def _show(budgets: Sequence[float]) -> str:
-    return "[" + ", ".join(f"{b:g}" for b in budgets) + "]"
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # tail constraint
 # ------------------------------------------------------------------------------------------------------------------
@@ -523,26 +323,6 @@ class TailConstraint:
                 f"the tail constraint differs: the checkpoint has {what}, this run {self.key}",
                 ["tail:reset"] if saved is None else ["tail:carry", "tail:reset"])
         self.dual.load_state_dict(state["dual"], strict=strict)
-
-
-def tail_key(tail_budget: float, share: float) -> str:
-    """The key of a tail constraint: its B_tail and q."""
-    return f"B_tail={tail_budget:g},q={share:g}"
-
-
-def tail_state_problem(state: Any) -> tuple[str, Any, str] | None:
-    """What is wrong with a saved :meth:`TailConstraint.state_dict`: ``(key, value, allowed)``, or None."""
-    if not isinstance(state, Mapping):
-        return "", state, "a mapping {tail_budget, share, dual}"
-    for key, allowed in (("tail_budget", "a finite number > 0"), ("share", "a number in (0, 1)")):
-        v = state.get(key, "(missing)")
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-        if not ok or (key == "share" and v >= 1):
-            return key, v, allowed
-    problem = dual_state_problem(state.get("dual"))
-    if problem is not None:
-        return (f"dual.{problem[0]}" if problem[0] else "dual"), problem[1], problem[2]
-    return None
 
 
 def local_counts(lengths: torch.Tensor, budget_index: torch.Tensor | None, num_budgets: int,

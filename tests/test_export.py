@@ -140,7 +140,7 @@ def test_nemo_aligner_run_is_named(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
     ckpt.mkdir(parents=True)
     state = {"step": 3, "shaper": shaper_state("laconic", DualController(budget=100.0, eta=0.01)),
-             "config": {"model": {"source": "nemo"}, "parallel": {"tensor_model_parallel_size": 2}}}
+             "config": {"model": {"source": "nemo", "path": "/checkpoints/base.nemo"}, "parallel": {"tensor_model_parallel_size": 2}}}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     (ckpt.parent / "latest").write_text(ckpt.name)
     with pytest.raises(ExportError, match="a NeMo-Aligner run"):

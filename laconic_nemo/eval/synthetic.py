@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from laconic_nemo.config import Config
+
 BENCHMARK = "synthetic"
 DISPLAY = "Synthetic"
 WARMUP_DONE = "done"  # the marker the trainer writes into a complete warm-up cache folder
@@ -113,13 +115,15 @@ def run_config(path: str | Path):
     """The config of a run directory / checkpoint (its checkpoint's ``trainer_state.json``, else the run's
     ``config.yaml``) as a checked :class:`~laconic_nemo.config.Config`, with ``world_size`` (the training's process
     count, None when unknown) as a second value."""
-    from laconic_nemo.config import build_config, load_config
+    from laconic_nemo.config import load_config
+    from laconic_nemo.grpo.resume import saved_config
     from laconic_nemo.tools.export import STATE, ExportError, resolve_checkpoint
 
     p = Path(path)
     try:
-        state = json.loads((resolve_checkpoint(p) / STATE).read_text())
-        return build_config(state["config"]), state.get("world_size")
+        ckpt = resolve_checkpoint(p)
+        state = json.loads((ckpt / STATE).read_text())
+        return saved_config(state, ckpt), state.get("world_size")
     except ExportError:
         if (p / "config.yaml").is_file():
             return load_config(p / "config.yaml"), None
@@ -138,15 +142,15 @@ def warmup_policy_dir(cfg, world_size: int, cache_root: str | Path | None = None
     return root / name
 
 
-def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict]:
+def policy_state(path: str | Path, cfg: Config | dict | None = None, split_dims: dict[str, int] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], Config]:
     """(unsharded weights, run config) of a run directory / checkpoint folder, or of a warm-up cache folder
     (``policy_*``, holding ``done`` and ``model_tpXX_ppYY.pt``; its run config ``cfg`` must be given). Names as
     in ``MegatronCoreActor.full_state_dict``; the vocabulary padding is dropped ([V, H] rows).
     split_dims: local name -> TP concatenation dim, for shards that do not record theirs (warm-up caches): the
     ``tp_split_dims()`` of an actor of the same model."""
     from laconic_nemo.actors.megatron_shards import merge_rank_states
-    from laconic_nemo.config import to_dict
+    from laconic_nemo.config import build_config
     from laconic_nemo.tools.export import SHARD, ExportError, read_checkpoint, resolve_checkpoint
 
     p = Path(path)
@@ -156,10 +160,9 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
             raise ExportError(f"{p}: an incomplete warm-up cache (no '{WARMUP_DONE}' marker)")
         if cfg is None:
             raise ExportError(f"{p}: a warm-up cache folder has no config; give the run's config")
-        cfg = cfg if isinstance(cfg, dict) else to_dict(cfg)
+        cfg = build_config(cfg) if isinstance(cfg, dict) else cfg
         files = {tuple(int(x) for x in SHARD.match(f.name).groups()): f for f in shard_files}
-        par = cfg["parallel"]
-        tp, pp = int(par["tensor_model_parallel_size"]), int(par["pipeline_model_parallel_size"])
+        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
         if set(files) != {(t, q) for t in range(tp) for q in range(pp)}:
             raise ExportError(f"{p}: shards {sorted(files)} do not match the run's TP {tp} x PP {pp}")
         states = {r: torch.load(f, map_location="cpu", weights_only=False) for r, f in files.items()}
@@ -169,13 +172,12 @@ def policy_state(path: str | Path, cfg=None, split_dims: dict[str, int] | None =
         states = {r: st["model"] for r, st in shards.items()}
         split = dict(shards[(0, 0)].get("parallel", {}).get("tp_split_dims") or {}) or split_dims
         tp, pp = max(t for t, _ in states) + 1, max(q for _, q in states) + 1
-    if str(cfg["model"].get("source", "synthetic")) != "synthetic":
-        raise ExportError(f"{p}: model.source is {cfg['model'].get('source')!r}; the synthetic benchmark evaluates "
+    if cfg.model.source != "synthetic":
+        raise ExportError(f"{p}: model.source is {cfg.model.source!r}; the synthetic benchmark evaluates "
                           "synthetic-task runs (export Hugging Face runs with `laconic-nemo export`)")
     if tp > 1 and not split:
         raise ExportError(f"{p}: TP {tp} shards without their split dims; pass split_dims")
-    full = merge_rank_states(states, tp, pp, int(cfg["model"]["num_layers"]), split or {},
-                             vocab_size=int(cfg["model"]["vocab_size"]))
+    full = merge_rank_states(states, tp, pp, cfg.model.num_layers, split or {}, vocab_size=cfg.model.vocab_size)
     return full, cfg
 
 
@@ -210,12 +212,12 @@ class MegatronBackend:
         self.batch_size = batch_size
         self.eos_id = self.tokenizer.eos_id
 
-    def load(self, path: str | Path, cfg=None) -> dict:
+    def load(self, path: str | Path, cfg: Config | dict | None = None) -> Config:
         """Load the policy at ``path``; returns its run config. Its architecture must equal this backend's."""
         full, run_cfg = policy_state(path, cfg, self.actor.tp_split_dims())
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings"):
-            if int(run_cfg["model"][key]) != getattr(self.cfg.model, key):
-                raise ValueError(f"{path}: model.{key} = {run_cfg['model'][key]}, the backend was built with "
+            if getattr(run_cfg.model, key) != getattr(self.cfg.model, key):
+                raise ValueError(f"{path}: model.{key} = {getattr(run_cfg.model, key)}, the backend was built with "
                                  f"{getattr(self.cfg.model, key)}")
         self.actor.load_full_state_dict(full)
         return run_cfg

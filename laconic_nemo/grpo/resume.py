@@ -218,6 +218,21 @@ def read_trainer_state(ckpt: str | Path) -> dict:
                           "to resume from an older one") from exc
 
 
+def saved_config(state: dict, where: str | Path) -> Config:
+    """The run config a checkpoint's trainer state holds (``state["config"]``, the resolved config the run was
+    trained with), read through the recipe loader: a checked :class:`~laconic_nemo.config.Config` (keys it lacks
+    take their defaults). Raises ResumeError naming ``where`` (the checkpoint) when it has none or it fails a check."""
+    from laconic_nemo.config import ConfigError, build_config
+
+    values = state.get("config") if isinstance(state, dict) else None
+    if not isinstance(values, dict):
+        raise ResumeError(f"{where}: trainer_state.json holds no run config (key config)")
+    try:
+        return build_config(values)
+    except ConfigError as exc:
+        raise ResumeError(f"{where}: the run config in trainer_state.json is invalid: {exc}") from None
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict], bool]:
     """(rows, torn): the rows of ``metrics.jsonl`` and whether a torn last line was left out.
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from laconic_nemo.grpo.resume import find_checkpoint
+from laconic_nemo.config import Config
+from laconic_nemo.grpo.resume import find_checkpoint, saved_config
 
 SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 STATE = "trainer_state.json"
@@ -65,18 +66,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[int, int], dict[str, Any]]]:
+def read_checkpoint(ckpt: Path) -> tuple[Config, dict[tuple[int, int], dict[str, Any]]]:
     """(run config, {(tp_rank, pp_rank): rank state}) of a checkpoint folder; checks every rank is there."""
-    try:
-        state = json.loads((ckpt / STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"{ckpt}: unreadable {STATE} ({exc})") from exc
-    cfg = state.get("config") or {}
-    if str(cfg.get("model", {}).get("source")) == "nemo":  # its trainer state has no megatron-core shards beside it
+    cfg = _saved_config(ckpt)
+    if cfg.model.source == "nemo":  # its trainer state has no megatron-core shards beside it
         raise ExportError(f"{ckpt}: a NeMo-Aligner run (model.source: nemo): its weights are NeMo's distributed "
                           "checkpoint, not megatron-core shards")
-    par = cfg.get("parallel", {})
-    tp, pp = int(par.get("tensor_model_parallel_size", 1)), int(par.get("pipeline_model_parallel_size", 1))
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     want = {f"model_tp{t:02d}_pp{p:02d}.pt": (t, p) for t in range(tp) for p in range(pp)}
     have = {f.name for f in ckpt.iterdir() if SHARD.match(f.name)}
     missing = sorted(set(want) - have)
@@ -92,16 +88,24 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[int, int], d
     return cfg, shards
 
 
-def _hf_source(cfg: dict[str, Any], ckpt: Path, hf_config: str | None) -> str:
-    model = cfg.get("model", {})
-    source = str(model.get("source", "synthetic"))
+def _saved_config(ckpt: Path) -> Config:
+    """The run config of checkpoint ``ckpt`` (:func:`~laconic_nemo.grpo.resume.saved_config`); ExportError naming
+    the folder when it cannot be read."""
+    try:
+        return saved_config(json.loads((ckpt / STATE).read_text()), ckpt)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{ckpt}: unreadable {STATE} ({exc})") from exc
+
+
+def _hf_source(cfg: Config, ckpt: Path, hf_config: str | None) -> str:
+    source = cfg.model.source
     if source != "hf":
         raise ExportError(
             f"{ckpt}: model.source is {source!r}; only runs with model.source: hf can be exported to Hugging Face "
             + ("(the synthetic GPT has no Hugging Face architecture; evaluate it with `laconic-nemo eval --model RUN "
                "--benchmarks synthetic`)" if source == "synthetic"
                else "(NeMo-Aligner runs end in a .nemo checkpoint)"))
-    src = hf_config or model.get("path")
+    src = hf_config or cfg.model.path
     if not src or not (Path(src) / "config.json").is_file():
         raise ExportError(f"{ckpt}: the run's Hugging Face config {src}/config.json is not readable; "
                           "pass --hf-config DIR (a folder with the base model's config.json and tokenizer)")
@@ -189,10 +193,9 @@ def nemo_dist_checkpoint(ckpt: Path) -> Path | None:
         if (folder / DIST_METADATA).is_file():
             return folder
     try:
-        state = json.loads((ckpt / STATE).read_text())
-    except (OSError, ValueError):
-        return None
-    if str((state.get("config") or {}).get("model", {}).get("source")) != "nemo":
+        if _saved_config(ckpt).model.source != "nemo":
+            return None
+    except ExportError:
         return None
     folder = ckpt.parent / "nemo" / ckpt.name / NEMO_CKPT_DIR
     if not (folder / DIST_METADATA).is_file():

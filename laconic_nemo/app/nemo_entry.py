@@ -336,8 +336,8 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
                              rollout_engine=cfg.rollout.engine,
                              engine_settings=engine_settings_from_config(cfg, mps.get_data_parallel_world_size(),
                                                                          on_gpu=torch.cuda.is_available()),
-                             logprob_chunk_size=int(cfg.grpo.logprob_chunk_size),
-                             recompute_layers=cfg.grpo.recompute_layers, engine_memory=str(cfg.rollout.engine_memory))
+                             logprob_chunk_size=cfg.grpo.logprob_chunk_size,
+                             recompute_layers=cfg.grpo.recompute_layers, engine_memory=cfg.rollout.engine_memory)
 
     reward_fn, _grader = build_reward_fn(cfg.reward)
     # the decode engine stops on the ids of NeMo's end strings, as NeMo's own generation does

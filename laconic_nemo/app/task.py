@@ -60,13 +60,13 @@ def build_task(cfg: Config) -> Task:
 
         tok = CharTokenizer()
         task = SyntheticTask(**dataclasses.asdict(cfg.data.synthetic))
-        key = None if cfg.data.budget_key is None else str(cfg.data.budget_key)
+        key = cfg.data.budget_key
         rows = task.rows(cfg.data.num_prompts, seed=cfg.run.seed, budget_key=key)
         prompts = [(r["problem"], r["answer"]) for r in rows]
         budgets = None
         if key is not None:
             budgets = row_budgets(rows, key, cfg.data.budget_missing, cfg.laconic.budget, cfg.rollout.max_new_tokens)
-        instruction = str(cfg.data.target_instruction)
+        instruction = cfg.data.target_instruction
 
         def reward_fn(texts, answers):
             statuses = [exact_answer_status(t, a) for t, a in zip(texts, answers)]

@@ -134,7 +134,7 @@ def pin_cpu_kernels(cfg: Config) -> None:
     from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
 
     try:
-        pin_cpu_isa(cpu=str(cfg.parallel.backend) == "gloo" or not torch.cuda.is_available())
+        pin_cpu_isa(cpu=cfg.parallel.backend == "gloo" or not torch.cuda.is_available())
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -180,7 +180,7 @@ def warmup_cache_key(cfg: Config, world_size: int | None = None, threads: int | 
         for k in ("stated_share", "stated_range", "budget_follow"):
             key["synthetic"].pop(k, None)
     else:  # the warm-up states its budgets in the RL prompts' words
-        key["synthetic"]["instruction"] = str(cfg.data.target_instruction)
+        key["synthetic"]["instruction"] = cfg.data.target_instruction
     key["seed"] = cfg.run.seed
     key["world_size"] = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     # the warm-up's micro-batches follow grpo.sort_by_length (another float summation order, another policy)

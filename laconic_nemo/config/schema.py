@@ -517,7 +517,7 @@ class Config:
         if self.data.kind == "synthetic" and (self.data.stated_budgets() is not None
                                               or self.data.synthetic.stated_share > 0):
             # the stated target reaches the prompt through the synthetic task's character tokenizer
-            text = str(self.data.target_instruction)
+            text = self.data.target_instruction
             missing = synthetic_unencodable(text, template=True)
             require(states_a_target(text) and not missing, "data.target_instruction",
                      "a text holding {target} (or {budget}), in the synthetic tokenizer's characters "

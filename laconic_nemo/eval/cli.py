@@ -146,7 +146,7 @@ def _check_synthetic(args) -> str | None:
     if cfg.model.source != "synthetic" or cfg.data.kind != "synthetic":
         return (f"--model {args.model!r} is a model.source = {cfg.model.source} run; --benchmarks synthetic needs a "
                 "synthetic-task run (data.kind = synthetic)")
-    longest_prompt = 2 + 2 * int(cfg.data.synthetic.max_terms) + 1
+    longest_prompt = 2 + 2 * cfg.data.synthetic.max_terms + 1
     if getattr(args, "stated_budgets", None) is not None:
         from laconic_nemo.config import states_a_target, synthetic_unencodable
         from laconic_nemo.eval.stated import parse_stated_budgets, stated_prompt
@@ -161,7 +161,7 @@ def _check_synthetic(args) -> str | None:
             return (f"--stated-budgets: the run's data.target_instruction {instruction!r} cannot state a budget to the "
                     "synthetic task (allowed a text holding {target}, in the synthetic tokenizer's characters"
                     + (f"; not encodable: {missing}" if missing else "") + ")")
-        longest_prompt = len(stated_prompt("Q:" + "a0" * int(cfg.data.synthetic.max_terms) + "\n", instruction,
+        longest_prompt = len(stated_prompt("Q:" + "a0" * cfg.data.synthetic.max_terms + "\n", instruction,
                                            max(budgets)))
     limit = cfg.model.max_position_embeddings - longest_prompt
     if limit < 1:

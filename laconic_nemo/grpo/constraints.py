@@ -58,7 +58,7 @@ def synthetic_rows(cfg: Config) -> list[dict]:
     from laconic_nemo.data.synthetic import SyntheticTask
 
     d = cfg.data
-    key = None if d.budget_key is None else str(d.budget_key)
+    key = d.budget_key
     return SyntheticTask(**dataclasses.asdict(d.synthetic)).rows(d.num_prompts, cfg.run.seed, key)
 
 

@@ -156,7 +156,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
 
     conversion = False
     if m.source in ("nemo", "hf") and check_paths:
-        if not Path(str(m.path)).exists():
+        if not Path(m.path).exists():
             if m.source == "nemo" and hf_model:
                 conversion = True
                 if not Path(hf_model).exists():
@@ -166,7 +166,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
                 _fail("model.path", m.path, "an existing checkpoint" +
                       (" (or pass --hf-model to convert one)" if m.source == "nemo" else ""))
     elif m.source == "nemo" and hf_model:
-        conversion = not Path(str(m.path)).exists()
+        conversion = not Path(m.path).exists()
     # which data goes with which model: the synthetic task has its own character tokenizer and GPT, math problems
     # need a checkpoint's tokenizer; reward.kind names the checker the data's answers are graded by
     if cfg.data.kind == "synthetic" and m.source != "synthetic":
@@ -207,14 +207,14 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
 
         engine_mem = mem.engine_bytes(kv_bytes, kv.rows, kv.positions, layer_shape(cfg, hf, tp).vocab, hidden, tp=tp,
                                       dtype_bytes=2 if m.precision in ("bf16", "fp16") else 4,
-                                      graphs=bool(cfg.rollout.cuda_graphs))
-    resident = engine_mem if str(cfg.rollout.engine_memory) == "resident" else None
+                                      graphs=cfg.rollout.cuda_graphs)
+    resident = engine_mem if cfg.rollout.engine_memory == "resident" else None
     mp, memory = training_memory(cfg, hf, tp, pp, dp, mini // (dp * mbs), resident, gpu_memory_gib)
     if cluster:  # refused before anything is allocated, naming the keys to change
         if not mp.fits:
             raise LayoutError(f"training memory of one GPU: {memory.splitlines()[0]}")
         if engine_mem is not None:
-            check_engine_beside_training(cfg, mp, engine_mem, float(cfg.rollout.kv_cache_memory_fraction),
+            check_engine_beside_training(cfg, mp, engine_mem, cfg.rollout.kv_cache_memory_fraction,
                                          device_gib(gpu_memory_gib))
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
@@ -267,7 +267,7 @@ def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, h
     from laconic_nemo.rollout.kv_cache import KVCacheShape
 
     r = cfg.rollout
-    rows = int(r.kv_cache_rows) if r.kv_cache_rows is not None else int(samples_per_rank)
+    rows = r.kv_cache_rows if r.kv_cache_rows is not None else int(samples_per_rank)
     positions = min(r.max_prompt_length + r.max_new_tokens, int(max_positions))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.precision, torch.float32)
     return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
@@ -314,7 +314,7 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, mic
 
     m, g = cfg.model, cfg.grpo
     shape = layer_shape(cfg, hf, tp)
-    lmax = int(cfg.rollout.max_new_tokens)
+    lmax = cfg.rollout.max_new_tokens
     tied = bool((hf or {}).get("tie_word_embeddings", False))
     params = memory.params_per_rank(shape, tp, pp, tied=tied)
     dtype_bytes = 2 if m.precision == "bf16" else 4
@@ -322,28 +322,28 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, mic
     resident = engine.total if engine is not None else 0.0
     if m.source == "nemo":
         max_pos = int((hf or {}).get("max_position_embeddings") or m.max_position_embeddings)
-        width = min(int(cfg.rollout.max_prompt_length) + lmax, max_pos)
-        mp = memory.nemo_actor_plan(shape, int(g.micro_batch_size), width, device, tp=tp, pp=pp, dp=dp,
+        width = min(cfg.rollout.max_prompt_length + lmax, max_pos)
+        mp = memory.nemo_actor_plan(shape, g.micro_batch_size, width, device, tp=tp, pp=pp, dp=dp,
                                     dtype_bytes=dtype_bytes, kernel="flash", params=params,
-                                    num_micro_batches=micro_batches, logprob_chunk=int(g.logprob_chunk_size),
+                                    num_micro_batches=micro_batches, logprob_chunk=g.logprob_chunk_size,
                                     fused_swiglu=True,  # NeMo's megatron_qwen2_config.yaml: bias_activation_fusion
                                     resident_bytes=resident)
-        what = (f"NeMo-Aligner actor, {int(g.micro_batch_size)} rows x {width} tokens (max_prompt_length + "
+        what = (f"NeMo-Aligner actor, {g.micro_batch_size} rows x {width} tokens (max_prompt_length + "
                 "max_new_tokens)")
     else:
         if g.micro_batch_tokens:
-            tokens, what = max(int(g.micro_batch_tokens), lmax), f"packs of {int(g.micro_batch_tokens)} tokens"
+            tokens, what = max(g.micro_batch_tokens, lmax), f"packs of {g.micro_batch_tokens} tokens"
         else:
-            tokens, what = int(g.micro_batch_size) * lmax, f"{int(g.micro_batch_size)} rows of L_max"
+            tokens, what = g.micro_batch_size * lmax, f"{g.micro_batch_size} rows of L_max"
         kernel = "local" if m.attention == "local" else "flash"
         mp = memory.plan_memory(shape, tokens, device, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                                 params=params,
-                                reference_on_device=float(g.kl_beta) > 0 and g.reference_on in ("auto", "device"),
+                                reference_on_device=g.kl_beta > 0 and g.reference_on in ("auto", "device"),
                                 num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
-                                logprob_chunk=int(g.logprob_chunk_size), seq=lmax,
+                                logprob_chunk=g.logprob_chunk_size, seq=lmax,
                                 fused_swiglu=True,  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
                                 resident_bytes=resident)
-    fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {int(g.recompute_layers)} set"
+    fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {g.recompute_layers} set"
     card = "H100 80 GB" if float(gpu_memory_gib) == 80.0 else f"{device:g} GiB GPU"
     line = f"{what}: {mp.describe()} ({card}){fixed}"
     if m.source == "nemo":
@@ -360,7 +360,7 @@ def check_engine_beside_training(cfg: Config, mp, engine, kv_fraction: float, de
     from laconic_nemo.actors import memory
 
     budget = memory.USABLE_FRACTION * device
-    if str(cfg.rollout.engine_memory) == "resident":
+    if cfg.rollout.engine_memory == "resident":
         beside, what = mp.peaks_gib[-1] - mp.resident_gib, "the training step with every layer recomputed"
     else:
         beside, what = mp.static_gib, "weights, gradients and optimiser state (rollout.engine_memory = release)"

@@ -81,7 +81,7 @@ def check_model_folder(cfg: Config, hf_model: str | None, nemo_overrides: list[s
     folder = hf_model if m.source == "nemo" else (str(m.path) if m.source == "hf" else None)
     if not folder or not Path(folder).is_dir():
         return {"tokenizer": None, "end_strings": None, "loaded": None}
-    if m.source == "nemo" and not Path(str(m.path)).exists():
+    if m.source == "nemo" and not Path(m.path).exists():
         try:
             check_converter_folder(folder)
         except (OSError, ValueError) as exc:

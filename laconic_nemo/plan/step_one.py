@@ -112,7 +112,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
     lc, d, lmax = cfg.laconic, cfg.data, cfg.rollout.max_new_tokens
     lines = []
     if lc.reasoning_marker is not None:
-        marker = str(lc.reasoning_marker)
+        marker = lc.reasoning_marker
         if cfg.data.kind == "synthetic":
             from laconic_nemo.data.synthetic import CharTokenizer
 

@@ -88,8 +88,8 @@ from laconic_nemo.rollout.megatron_sampler import (
     sample_seed,
 )
 from laconic_nemo.rollout.schedule import WindowPlan, fine_buckets
-from laconic_nemo.rollout.slots import Sig, Slots, SlotsMixin
-from laconic_nemo.rollout.stage import StageMixin
+from laconic_nemo.rollout.slots import Sig, Slots
+from laconic_nemo.rollout.stage import PrefillPlan, Stage
 
 ENGINE_SAMPLERS = ("exact", "device")
 DEFAULT_BUCKETS = fine_buckets()  # 8, 16, 32, 48, ..., 512
@@ -236,62 +236,102 @@ class EngineStats:
     step_ops: list = field(default_factory=list)  # opcount.OpCount per decode step, when count_ops is set
 
 
-class DecodeEngine(StageMixin, SlotsMixin):
+class FromStage:
+    """A read-only attribute of the engine that is its :class:`~laconic_nemo.rollout.stage.Stage`'s of the same
+    name (``engine.fused``, ``engine.layers``, ...: what callers read off an engine)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.stage, self.name)
+
+    def __set__(self, engine, value) -> None:
+        raise AttributeError(f"{self.name} is the stage's (engine.stage.{self.name}), read-only on the engine")
+
+
+class DecodeEngine:
     """Generation for a megatron-core GPT policy (see the module docstring). SPMD: call on every rank of the
     model-parallel group with the same prompts; every rank returns the same CPU tensors.
 
     model: a ``GPTModel`` or a wrapper of one (:func:`unwrap_gpt_model`); vocab_size: the real vocabulary
-    (logits past it are never sampled); settings: :class:`EngineSettings`."""
+    (logits past it are never sampled); settings: :class:`EngineSettings`.
+
+    Its parts: ``stage`` (:class:`~laconic_nemo.rollout.stage.Stage`, this rank's part of the model, built here),
+    ``cache`` (:class:`~laconic_nemo.rollout.kv_cache.StaticKVCache`) and ``slots``
+    (:class:`~laconic_nemo.rollout.slots.Slots`, the per-row buffers), allocated by the first call and released by
+    :meth:`free`; ``runner`` (:class:`~laconic_nemo.rollout.graphs.GraphRunner`, the captured steps); ``stats``
+    (:class:`EngineStats` of the last call)."""
+
+    # this rank's part of the model (read-only, the stage's)
+    model = FromStage()
+    vocab_size = FromStage()
+    fused = FromStage()
+    unfused_reason = FromStage()
+    layers = FromStage()
+    heads = FromStage()
+    groups = FromStage()
+    head_dim = FromStage()
+    hidden = FromStage()
+    hidden_dtype = FromStage()
+    kv_dtype = FromStage()
+    device = FromStage()
+    first = FromStage()
+    last = FromStage()
+    tp = FromStage()
+    tp_rank = FromStage()
+    pp = FromStage()
+    max_positions = FromStage()
 
     def __init__(self, model: Any, vocab_size: int, settings: EngineSettings | None = None):
-        self.model = unwrap_gpt_model(model)
-        self.vocab_size = int(vocab_size)
+        gpt = unwrap_gpt_model(model)
         self.settings = settings or EngineSettings()
         self.settings.check()
-        self._read_stage()
+        self.stage = Stage(gpt, vocab_size, fused=self.settings.fused)
         self.cache: StaticKVCache | None = None
         self.slots: Slots | None = None
-        self._rope_cos: torch.Tensor | None = None  # [positions, rotary dim] float32
-        self._rope_sin: torch.Tensor | None = None
-        self.runner = GraphRunner(self.device, enabled=self.settings.cuda_graphs, rehearse=self.settings.rehearse_graphs)
+        self.runner = GraphRunner(self.stage.device, enabled=self.settings.cuda_graphs,
+                                  rehearse=self.settings.rehearse_graphs)
         self._weights: tuple | None = None
         self.stats = EngineStats()
         self.count_ops = False  # count each decode step's operators (eager runs: CPU, or cuda_graphs off)
 
     # ------------------------------------------------------------------ the cache
     def cache_shape(self, rows: int, positions: int) -> KVCacheShape:
-        return KVCacheShape(len(self.layers), int(rows), int(positions), self.groups, self.head_dim, self.kv_dtype)
+        st = self.stage
+        return KVCacheShape(len(st.layers), int(rows), int(positions), st.groups, st.head_dim, st.kv_dtype)
 
     def planned_positions(self) -> int:
         """Positions of the cache as configured: max_prompt_length + max_new_tokens, within the context."""
-        s = self.settings
+        s, most = self.settings, self.stage.max_positions
         want = s.max_prompt_length + s.max_new_tokens
-        return min(want, self.max_positions) if self.max_positions else want
+        return min(want, most) if most else want
 
     def _ensure_cache(self, rows: int, positions: int) -> None:
         """A cache of at least ``rows`` x ``positions``, allocated (or grown) after the size check."""
         if self.cache is not None and self.cache.shape.covers(rows, positions):
             return
-        s = self.settings
+        s, st = self.settings, self.stage
         rows = max(rows, s.kv_cache_rows or 0, self.cache.shape.rows if self.cache else 0)
         positions = max(positions, self.planned_positions(), self.cache.shape.positions if self.cache else 0)
         shape = self.cache_shape(rows, positions)
-        check_fits(shape, s.kv_cache_memory_fraction, device_memory_bytes(self.device),
+        check_fits(shape, s.kv_cache_memory_fraction, device_memory_bytes(st.device),
                    sized_by=f"rollout.kv_cache_rows ({rows} rows) and rollout.max_prompt_length + "
                             f"rollout.max_new_tokens ({positions} positions)")
         self.free()
-        self.cache = StaticKVCache(shape, self.device)
-        self.slots = Slots(rows, positions, self.vocab_size, self.hidden, self.hidden_dtype, self.device, self.last)
-        if self.rope:
-            self._set_rope(positions)
+        self.cache = StaticKVCache(shape, st.device)
+        self.slots = Slots(rows, positions, st.vocab_size, st.hidden, st.hidden_dtype, st.device, st.last)
+        st.set_rope(positions)
 
     def free(self) -> None:
         """Release the cache, the buffers and the captured graphs (the next call allocates again)."""
         self.runner.reset()
-        self.cache = self.slots = self._rope_cos = self._rope_sin = self._rope_tab = None
-        if self.device.type == "cuda":
+        self.cache = self.slots = None
+        self.stage.free()
+        if self.stage.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # ------------------------------------------------------------------ one step
     def _decode_step(self, b: int, kv: int, sig: Sig, gens, slot_ids) -> None:
         """One decode step of slots [0, b) (its operators counted into ``stats.step_ops`` when ``count_ops``)."""
         if not self.count_ops:
@@ -304,40 +344,48 @@ class DecodeEngine(StageMixin, SlotsMixin):
         self.stats.step_ops.append(counter.count)
 
     def _step(self, b: int, kv: int, sig: Sig, gens, slot_ids) -> None:
-        s = self.slots
-        if sig.sampler == "device" and self.pp == 1:
+        st, s, cache = self.stage, self.slots, self.cache
+        if sig.sampler == "device" and st.pp == 1:
             def step():
-                self._sample_device(self._decode_compute(b, kv), b, sig)
-                self._tp_broadcast(b, sig)
-                self._advance(b, sig)
+                s.sample_device(st.decode(b, kv, s, cache), b, sig)
+                st.tp_broadcast(b, s.drawn(sig))
+                s.advance(b, sig)
 
             self.runner.run(("step", b, kv, sig), step, s.state(b))
             return
         # a pipeline stage and / or host sampling: this stage's compute is the graph, the rest runs eagerly
-        if not self.first:
-            self._recv(s.hidden_in[:b])
-        if self.last and sig.sampler == "device":
+        if not st.first:
+            st.recv(s.hidden_in[:b])
+        if st.last and sig.sampler == "device":
             def compute():
-                self._sample_device(self._decode_compute(b, kv), b, sig)
-                self._tp_broadcast(b, sig)
-        elif self.last:
+                s.sample_device(st.decode(b, kv, s, cache), b, sig)
+                st.tp_broadcast(b, s.drawn(sig))
+        elif st.last:
             def compute():
-                s.logits[:b].copy_(self._decode_compute(b, kv))
+                s.logits[:b].copy_(st.decode(b, kv, s, cache))
         else:
             def compute():
-                self._decode_compute(b, kv)
-        self.runner.run(("stage", b, kv, sig if self.last and sig.sampler == "device" else sig.sampler), compute)
-        if not self.last:
-            self._send(s.hidden_out[:b])
+                st.decode(b, kv, s, cache)
+        self.runner.run(("stage", b, kv, sig if st.last and sig.sampler == "device" else sig.sampler), compute)
+        if not st.last:
+            st.send(s.hidden_out[:b])
         if sig.sampler == "exact":
             self._sample_exact(b, sig, gens, slot_ids)
-        self._pp_broadcast(b, sig)
-        self._advance(b, sig)
+        st.pp_broadcast(b, s.drawn(sig))
+        s.advance(b, sig)
 
+    def _sample_exact(self, b: int, sig: Sig, gens, slot_ids) -> None:
+        """The exact sampler: TP rank 0 of the last stage draws (:meth:`Slots.sample_exact`), the last stage's
+        other TP ranks receive its tokens."""
+        st = self.stage
+        if st.last and st.tp_rank == 0:
+            self.slots.sample_exact(b, sig, gens, slot_ids)
+        if st.last:
+            st.tp_broadcast(b, self.slots.drawn(sig))
 
     # ------------------------------------------------------------------ generation
     def _weights_moved(self) -> bool:
-        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        ptrs = tuple(p.data_ptr() for p in self.stage.model.parameters())
         moved = self._weights is not None and ptrs != self._weights
         self._weights = ptrs
         return moved
@@ -353,9 +401,9 @@ class DecodeEngine(StageMixin, SlotsMixin):
         0 elsewhere), the rollout side of the rollout / training log-prob mismatch.
         Returns CPU tensors, identical on every rank of the model-parallel group."""
         check_sampling(sampling)
-        stops = sampling.stops()
-        if not all(0 <= i < self.vocab_size for i in stops):
-            raise ValueError(f"sampling.eos_id and stop_ids must be in [0, {self.vocab_size}), got {list(stops)}")
+        stops, V, most = sampling.stops(), self.stage.vocab_size, self.stage.max_positions
+        if not all(0 <= i < V for i in stops):
+            raise ValueError(f"sampling.eos_id and stop_ids must be in [0, {V}), got {list(stops)}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         st = self.settings
@@ -363,16 +411,15 @@ class DecodeEngine(StageMixin, SlotsMixin):
         pad = int(sampling.eos_id if pad_id is None else pad_id)
         L = int(sampling.max_new_tokens)
         need_pos = max(len(p) for p in prompts) + L
-        if self.max_positions and need_pos > self.max_positions:
-            raise ValueError(f"prompt + max_new_tokens = {need_pos} exceeds max_position_embeddings "
-                             f"{self.max_positions}")
+        if most and need_pos > most:
+            raise ValueError(f"prompt + max_new_tokens = {need_pos} exceeds max_position_embeddings {most}")
         sig = Sig(st.sampler, float(sampling.temperature), float(sampling.top_p), int(sampling.eos_id), pad, L,
                    bool(return_logprobs), stops)
         B = len(prompts)
         rows = B if st.kv_cache_rows is None else min(B, st.kv_cache_rows)
         self.stats = EngineStats()
         captures, capture_s = self.runner.captures, self.runner.capture_seconds
-        with inference_context(self.model):
+        with inference_context(self.stage.model):
             self._ensure_cache(rows, need_pos)
             if self._weights_moved():
                 self.runner.reset()
@@ -394,8 +441,8 @@ class DecodeEngine(StageMixin, SlotsMixin):
     def _run_pass(self, prompts: list[list[int]], first: int, sampling: SamplingParams, sig: Sig,
                   stream: int) -> GenerationOutput:
         """One pass over at most ``R`` rows (samples ``first .. first + n - 1`` of the call)."""
-        st, s, n = self.settings, self.slots, len(prompts)
-        L, pad, dev = sig.max_new, sig.pad, self.device
+        st, s, stage, n = self.settings, self.slots, self.stage, len(prompts)
+        L, pad = sig.max_new, sig.pad
         self.stats.passes += 1
         P = [len(p) for p in prompts]
         plan = WindowPlan(P, s.R, self.cache.shape.positions, L, st.batch_buckets, st.kv_block, st.sync_every,
@@ -403,32 +450,24 @@ class DecodeEngine(StageMixin, SlotsMixin):
         b = plan.b
         seeds = [sample_seed(sampling.seed, stream, first + i) for i in range(n)]
         gens = ([torch.Generator().manual_seed(x) for x in seeds]
-                if sig.sampler == "exact" and self.last and self.tp_rank == 0 else [])
-        s.clear(0, s.R, pad)
-        s.done[:n] = False
-        s.sample_id[:n] = torch.arange(n, device=dev)
-        s.seeds[:n] = torch.tensor(seeds, dtype=torch.long, device=dev)
-        s.pos[:n] = torch.tensor(P, dtype=torch.long, device=dev) - 1
-        s.res_generated.zero_()
-        s.res_eos.zero_()
-        s.out_lp[: n + 1].zero_()
-        head = torch.full((n, s.out_tokens.shape[1]), pad, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            head[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        s.out_tokens[:n].copy_(head.to(dev))
+                if sig.sampler == "exact" and stage.last and stage.tp_rank == 0 else [])
+        s.start(prompts, seeds, pad)
 
         # prefill, first token
-        logits = self._prefill(prompts, b, pad)
+        prefill = PrefillPlan.of(prompts, st.prefill_tokens)
+        logits = stage.prefill(prefill, b, pad, self.cache)
+        self.stats.prefill_forwards += len(prefill.chunks)
+        self.stats.prefill_prompts += len(prefill.texts)
         if sig.sampler == "device":
-            if self.last:
-                self._sample_device(logits, b, sig)
-                self._tp_broadcast(b, sig)
+            if stage.last:
+                s.sample_device(logits, b, sig)
+                stage.tp_broadcast(b, s.drawn(sig))
         else:
-            if self.last:
+            if stage.last:
                 s.logits[:b].copy_(logits)
             self._sample_exact(b, sig, gens, plan.slot_ids)
-        self._pp_broadcast(b, sig)
-        self._advance(b, sig)
+        stage.pp_broadcast(b, s.drawn(sig))
+        s.advance(b, sig)
 
         finished = L == 1 or bool(s.done[:b].all())
         while not finished:
@@ -455,7 +494,8 @@ class DecodeEngine(StageMixin, SlotsMixin):
                 break
             move = plan.sync(alive)
             if move is not None:
-                self._compact(move.alive, move.old, move.new, move.upto, pad)
+                s.compact(move.alive, move.old, move.new, move.upto, pad, self.cache)
+                self.stats.compactions += 1
                 b = move.new
 
         s.retire(b)

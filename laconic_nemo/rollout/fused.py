@@ -1,5 +1,5 @@
 """The decode engine's fused decode step: one token per row through a megatron-core ``TransformerLayer`` in fewer
-kernels than calling the layer's modules (:meth:`~laconic_nemo.rollout.stage.StageMixin._layer`, kept for the
+kernels than calling the layer's modules (:meth:`~laconic_nemo.rollout.stage.Stage.layer`, kept for the
 prefill and as ``EngineSettings.fused = False``).
 
 A decode step inside a CUDA graph costs about 2 us per kernel beyond its memory traffic, so at the 1.5B shapes the

@@ -1,6 +1,6 @@
 """The decode engine's window schedule: at which batch bucket and KV length each window of ``rollout.sync_every``
 decode steps runs, and when the live rows move down into a smaller bucket. A pure function of the rows' prompt
-lengths and of when they finish, shared by the engine (:meth:`~laconic_nemo.rollout.engine.DecodeEngine._run_pass`
+lengths and of when they finish, shared by the engine (:meth:`~laconic_nemo.rollout.engine.DecodeEngine.generate`
 asks :class:`WindowPlan` before every window and after every host synchronisation) and by the estimates that do not
 run a model: :func:`simulate` replays a rollout whose response lengths are known (the benchmark's DeepSeek-shaped
 draw, ``laconic-nemo plan``), counting the CUDA graphs it captures and the key / value positions its attention reads.

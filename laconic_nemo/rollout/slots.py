@@ -4,7 +4,8 @@ on the device; ``exact``: host float64 draws from each sample's own generator, a
 :func:`laconic_nemo.rollout.megatron_sampler.sample`), the EOS / length bookkeeping and the compaction of the live
 rows into a smaller bucket.
 
-:class:`SlotsMixin` is a part of :class:`laconic_nemo.rollout.engine.DecodeEngine`.
+:class:`laconic_nemo.rollout.engine.DecodeEngine` composes :class:`Slots` with its
+:class:`~laconic_nemo.rollout.stage.Stage` and KV cache; what a method needs of them it is given.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from laconic_nemo.rollout.kv_cache import StaticKVCache
 from laconic_nemo.rollout.megatron_sampler import counter_uniforms, draw, draw_on_device, filtered_probs
 from laconic_nemo.rollout.megatron_sampler import stop_hit as any_stop_hit
 
@@ -39,11 +41,14 @@ def stop_hit(tokens: torch.Tensor, sig: Sig) -> torch.Tensor:
 
 
 class Slots:
-    """Static per-row buffers of the decode loop: capacity ``R`` rows, ``S`` positions, ``V`` vocabulary."""
+    """Static per-row buffers of the decode loop on ``device``: capacity ``R`` rows, ``S`` positions, ``V``
+    vocabulary (``logits`` [R, V] only where ``last``: the last pipeline stage), hidden states [R, hidden] of
+    ``hidden_dtype`` handed between pipeline stages; and what a step does to them: sampling, advancing, compaction."""
 
     def __init__(self, R: int, S: int, V: int, hidden: int, hidden_dtype: torch.dtype, device, last: bool):
         long = dict(dtype=torch.long, device=device)
         self.R = R
+        self.device = device
         self.tokens = torch.zeros(R, **long)        # input token of the next step
         self.pos = torch.zeros(R, **long)           # its position
         self.seeds = torch.zeros(R, **long)         # device sampler: per-sample seed
@@ -67,6 +72,28 @@ class Slots:
         """What a decode step advances (restored after a graph's warm-up)."""
         return [self.tokens[:b], self.pos[:b], self.generated[:b], self.done[:b], self.hit_eos[:b]]
 
+    def drawn(self, sig: Sig) -> list[torch.Tensor]:
+        """The buffers a sampling rank fills for the others: ``sampled`` [R], and ``sampled_lp`` [R] when
+        ``sig.logprobs`` (what the TP / PP broadcasts send)."""
+        return [self.sampled, self.sampled_lp] if sig.logprobs else [self.sampled]
+
+    def start(self, prompts: list[list[int]], seeds: list[int], pad: int) -> None:
+        """A pass: rows [0, n) take the n ``prompts`` (their last position the next step's input) with the device
+        sampler's per-sample ``seeds``; the other rows are empty; the results and output rows are reset."""
+        n, dev = len(prompts), self.device
+        self.clear(0, self.R, pad)
+        self.done[:n] = False
+        self.sample_id[:n] = torch.arange(n, device=dev)
+        self.seeds[:n] = torch.tensor(seeds, dtype=torch.long, device=dev)
+        self.pos[:n] = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev) - 1
+        self.res_generated.zero_()
+        self.res_eos.zero_()
+        self.out_lp[: n + 1].zero_()
+        head = torch.full((n, self.out_tokens.shape[1]), pad, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            head[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        self.out_tokens[:n].copy_(head.to(dev))
+
     def retire(self, b: int) -> None:
         """Copy the counters of slots [0, b) to their samples' result rows."""
         ids = self.sample_id[:b]
@@ -83,67 +110,57 @@ class Slots:
         self.seeds[a:b] = 0
         self.hit_eos[a:b] = False
 
-
-class SlotsMixin:
-    """Sampling into the slots, advancing them by one token, moving the live ones down a bucket."""
-
     # ------------------------------------------------------------------ sampling and bookkeeping
-    def _sample_device(self, logits: torch.Tensor, b: int, sig: Sig) -> None:
-        """Device sampler on logits [b, V]: tokens (and their log-probs) into the static buffers."""
-        s = self.slots
-        u = counter_uniforms(s.seeds[:b], s.generated[:b])
+    def sample_device(self, logits: torch.Tensor, b: int, sig: Sig) -> None:
+        """Device sampler on logits [b, V]: tokens (and their log-probs) into ``sampled`` / ``sampled_lp``."""
+        u = counter_uniforms(self.seeds[:b], self.generated[:b])
         tok = draw_on_device(logits, u, sig.temperature, sig.top_p)
-        s.sampled[:b].copy_(tok)
+        self.sampled[:b].copy_(tok)
         if sig.logprobs:
             lp = torch.log_softmax(logits / sig.temperature, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-            s.sampled_lp[:b].copy_(lp)
+            self.sampled_lp[:b].copy_(lp)
 
-    def _sample_exact(self, b: int, sig: Sig, gens: list[torch.Generator], slot_ids: list[int]) -> None:
-        """Exact sampler: TP rank 0 of the last stage draws on the host from ``logits[:b]`` with each live
-        sample's generator (one float64 uniform per generated token), as ``megatron_sampler.sample``."""
-        s = self.slots
-        if self.last and self.tp_rank == 0:
-            logits = s.logits[:b].cpu()
-            active = (~s.done[:b]).cpu()
-            probs = filtered_probs(logits, sig.temperature, sig.top_p)
-            u = torch.zeros(b, dtype=torch.float64)
-            for j in torch.nonzero(active).flatten().tolist():
-                u[j] = torch.rand((), generator=gens[slot_ids[j]], dtype=torch.float64)
-            tok = draw(probs, u)
-            s.sampled[:b].copy_(tok.to(self.device))
-            if sig.logprobs:
-                lp = torch.log_softmax(logits / sig.temperature, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-                s.sampled_lp[:b].copy_(lp.to(self.device))
-        if self.last:
-            self._tp_broadcast(b, sig)
+    def sample_exact(self, b: int, sig: Sig, gens: list[torch.Generator], slot_ids: list[int]) -> None:
+        """Exact sampler (on the rank that draws: TP rank 0 of the last stage): draws on the host from
+        ``logits[:b]`` with each live slot's generator ``gens[slot_ids[j]]`` (one float64 uniform per generated
+        token), as ``megatron_sampler.sample``; tokens (and log-probs) into ``sampled`` / ``sampled_lp``."""
+        logits = self.logits[:b].cpu()
+        active = (~self.done[:b]).cpu()
+        probs = filtered_probs(logits, sig.temperature, sig.top_p)
+        u = torch.zeros(b, dtype=torch.float64)
+        for j in torch.nonzero(active).flatten().tolist():
+            u[j] = torch.rand((), generator=gens[slot_ids[j]], dtype=torch.float64)
+        tok = draw(probs, u)
+        self.sampled[:b].copy_(tok.to(self.device))
+        if sig.logprobs:
+            lp = torch.log_softmax(logits / sig.temperature, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            self.sampled_lp[:b].copy_(lp.to(self.device))
 
-    def _advance(self, b: int, sig: Sig) -> None:
+    def advance(self, b: int, sig: Sig) -> None:
         """Take the sampled tokens of slots [0, b): write them after each row's position, count them, flag a stop
         token (:func:`stop_hit`) and the length limit, move each live row to its new token. Finished rows are fed
         ``pad``."""
-        s = self.slots
-        active = ~s.done[:b]
+        active = ~self.done[:b]
         step = active.long()
-        nxt = torch.where(active, s.sampled[:b], sig.pad)
-        pos, ids = s.pos[:b], s.sample_id[:b]
-        s.out_tokens.index_put_((ids, pos + 1), nxt)
+        nxt = torch.where(active, self.sampled[:b], sig.pad)
+        pos, ids = self.pos[:b], self.sample_id[:b]
+        self.out_tokens.index_put_((ids, pos + 1), nxt)
         if sig.logprobs:
-            s.out_lp.index_put_((ids, pos), torch.where(active, s.sampled_lp[:b], 0.0))
-        gen = s.generated[:b].add_(step)
+            self.out_lp.index_put_((ids, pos), torch.where(active, self.sampled_lp[:b], 0.0))
+        gen = self.generated[:b].add_(step)
         new_eos = active & stop_hit(nxt, sig)
-        s.hit_eos[:b] |= new_eos
-        s.done[:b] |= new_eos | (active & (gen >= sig.max_new))
+        self.hit_eos[:b] |= new_eos
+        self.done[:b] |= new_eos | (active & (gen >= sig.max_new))
         pos.add_(step)
-        s.tokens[:b].copy_(nxt)
+        self.tokens[:b].copy_(nxt)
 
-    def _compact(self, alive: list[int], b: int, nb: int, upto: int, pad: int) -> None:
-        """Move the live slots ``alive`` (increasing) to [0, len(alive)) - state and KV rows - and clear the
-        rest of the new bucket ``nb``."""
-        s, n = self.slots, len(alive)
-        s.retire(b)
+    def compact(self, alive: list[int], b: int, nb: int, upto: int, pad: int, cache: StaticKVCache) -> None:
+        """Move the live slots ``alive`` (increasing) of the bucket ``b`` to [0, len(alive)) - state and the
+        ``cache``'s KV rows (positions [0, upto)) - and clear the rest of the new bucket ``nb``."""
+        n = len(alive)
+        self.retire(b)
         idx = torch.tensor(alive, dtype=torch.long, device=self.device)
-        for t in (s.tokens, s.pos, s.seeds, s.generated, s.done, s.hit_eos, s.sample_id):
+        for t in (self.tokens, self.pos, self.seeds, self.generated, self.done, self.hit_eos, self.sample_id):
             t[:n] = t[idx]
-        s.clear(n, nb, pad)
-        self.cache.move_rows(alive, upto)
-        self.stats.compactions += 1
+        self.clear(n, nb, pad)
+        cache.move_rows(alive, upto)

@@ -2,20 +2,23 @@
 ``TransformerLayer.forward``'s order (the list and the megatron-core lines are in :mod:`laconic_nemo.rollout.engine`),
 the prefill and the one-token decode step over the static KV cache, and the TP / PP communication of a step.
 
-:class:`StageMixin` is a part of :class:`laconic_nemo.rollout.engine.DecodeEngine`; it reads the engine's
-``model``, ``cache``, ``slots``, ``settings`` and ``stats``.
+:class:`Stage` owns this rank's part of the model (its layers, head layout, dtypes, device, TP / PP groups, RoPE
+tables and fused layers); :class:`laconic_nemo.rollout.engine.DecodeEngine` composes it with the KV cache and the
+per-row :class:`~laconic_nemo.rollout.slots.Slots`, which its methods are given.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from laconic_nemo.rollout.fused import FusedLayer, column, rope_table, rotate, row_into
 from laconic_nemo.rollout.fused import unsupported as why_not_fused
-from laconic_nemo.rollout.slots import Sig
+from laconic_nemo.rollout.kv_cache import StaticKVCache
+from laconic_nemo.rollout.slots import Slots
 
 
 def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
@@ -34,16 +37,48 @@ def gather_last_dim(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
 
 
-class StageMixin:
-    """Embedding, RoPE, layers, final norm and logits of this rank's stage; prefill and decode compute; the
-    broadcasts and point-to-point hand-offs between ranks."""
+@dataclass
+class PrefillPlan:
+    """The prompts of a pass de-duplicated (GRPO repeats each prompt G times) and cut into forwards of at most
+    ``prefill_tokens`` padded tokens, longest first (each forward as wide as its first prompt).
 
-    def _read_stage(self) -> None:
-        """This rank's part of the model: its layers, head layout, dtypes, device, whether it holds the embedding
-        (first stage) and the output layer (last stage), and its TP / PP groups."""
+    texts: the distinct prompts; of_slot: the distinct prompt of each row; chunks: indices into ``texts`` per
+    forward."""
+
+    texts: list[tuple[int, ...]]
+    of_slot: list[int]
+    chunks: list[list[int]]
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], prefill_tokens: int) -> PrefillPlan:
+        uniq: dict[tuple[int, ...], int] = {}
+        of_slot = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
+        texts = list(uniq)
+        order = sorted(range(len(texts)), key=lambda u: -len(texts[u]))
+        chunks, cur = [], []
+        for u in order:  # longest first: each chunk is as wide as its first prompt
+            if cur and (len(cur) + 1) * len(texts[cur[0]]) > prefill_tokens:
+                chunks.append(cur)
+                cur = []
+            cur.append(u)
+        chunks.append(cur)
+        return cls(texts, of_slot, chunks)
+
+
+class Stage:
+    """This rank's stage of a megatron-core ``GPTModel``: embedding, RoPE, layers, final norm and logits; the prefill
+    and the decode compute over a given KV cache and slots; the broadcasts and point-to-point hand-offs between
+    ranks (no-ops at TP 1 / PP 1).
+
+    model: the ``GPTModel`` (unwrapped); vocab_size: the real vocabulary (logits past it are dropped); fused: use
+    the fused decode step (:mod:`laconic_nemo.rollout.fused`) where it serves the model (``EngineSettings.fused``).
+    The TP / PP groups are megatron's ``parallel_state`` at construction."""
+
+    def __init__(self, model, vocab_size: int, fused: bool = True):
         from megatron.core import parallel_state as ps
 
-        m, cfg = self.model, self.model.config
+        self.model, self.vocab_size = model, int(vocab_size)
+        m, cfg = model, model.config
         unsupported = [name for name, on in (
             ("multi_latent_attention", getattr(cfg, "multi_latent_attention", False)),
             ("num_moe_experts", getattr(cfg, "num_moe_experts", None)),
@@ -80,20 +115,38 @@ class StageMixin:
             self._next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
             self._prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
         # the fused decode step (laconic_nemo/rollout/fused.py) where it serves the model, else the module calls
-        self.unfused_reason = why_not_fused(m) if self.settings.fused else "EngineSettings.fused = False"
+        self.unfused_reason = why_not_fused(m) if fused else "EngineSettings.fused = False"
         self.fused = self.unfused_reason is None
         self._fused_layers = [FusedLayer(layer) for layer in self.layers] if self.fused else []
+        self._rope_cos: torch.Tensor | None = None  # [positions, rotary dim] float32
+        self._rope_sin: torch.Tensor | None = None
         self._rope_tab: torch.Tensor | None = None  # [positions, 2, 2, rot]: fused.rope_table
         per = self.heads // self.groups
         self._slot_sel = torch.tensor([0] * (per + 1) + [1], dtype=torch.long, device=self.device)
 
+    # ------------------------------------------------------------------ RoPE tables
+    def set_rope(self, positions: int) -> None:
+        """The RoPE tables of ``positions`` positions from the model's table (``GPTModel.rotary_pos_emb``: float32
+        angles [positions, 1, 1, rot]): cos / sin for the prefill and the module path, the fused step's factors.
+        Nothing for a model without RoPE."""
+        if not self.rope:
+            return
+        freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
+        self._rope_cos, self._rope_sin = torch.cos(freqs), torch.sin(freqs)
+        if self.fused:
+            self._rope_tab = rope_table(freqs, bool(self.model.config.rotary_interleaved), self.kv_dtype)
+
+    def free(self) -> None:
+        """Drop the RoPE tables (:meth:`set_rope` builds them again)."""
+        self._rope_cos = self._rope_sin = self._rope_tab = None
+
     # ------------------------------------------------------------------ the model's pieces
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [b, s] -> hidden [s, b, H] (``LanguageModelEmbedding.forward`` in eval mode)."""
         emb = self.model.embedding
         if self.tp == 1:
             return emb(input_ids=tokens, position_ids=positions)
-        x = self._lookup(tokens)
+        x = self.lookup(tokens)
         if emb.add_position_embedding:
             x = x + emb.position_embeddings(positions)
         x = x.transpose(0, 1).contiguous()
@@ -101,7 +154,7 @@ class StageMixin:
             x = x.float()
         return emb.embedding_dropout(x)
 
-    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         """Word embeddings of ``tokens`` (any shape) -> [..., H]: ``F.embedding`` at TP 1 (what
         ``VocabParallelEmbedding.forward`` runs there); at TP > 1 this rank's shard rows, zero for tokens outside it,
         all-reduced (capture-safe: no boolean indexing)."""
@@ -138,8 +191,9 @@ class StageMixin:
         t = (t * cos) + (_rotate_half(t, self.model.config.rotary_interleaved) * sin)
         return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
 
-    def _layer(self, layer, h: torch.Tensor, rope, attend) -> torch.Tensor:
-        """One TransformerLayer on hidden [s, b, H]; ``attend(q, k, v)`` -> context [s, b, heads * head_dim]."""
+    def layer(self, layer, h: torch.Tensor, rope, attend) -> torch.Tensor:
+        """One TransformerLayer on hidden [s, b, H] through its own modules; ``rope``: (cos, sin) or None;
+        ``attend(q, k, v)`` -> context [s, b, heads * head_dim]."""
         fused = self.model.config.bias_dropout_fusion
         residual = h
         x = layer.input_layernorm(h)
@@ -150,7 +204,7 @@ class StageMixin:
         h = layer.mlp_bda(False, fused)(layer.mlp(layer.pre_mlp_layernorm(h)), residual, layer.hidden_dropout)
         return h
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, H] -> float32 logits [s, b, V] over the real vocabulary, gathered over TP."""
         if self.final_norm is not None:
             h = self.final_norm(h)
@@ -162,50 +216,42 @@ class StageMixin:
         return logits[..., : self.vocab_size].float()
 
     # ------------------------------------------------------------------ communication (no-ops at TP 1 / PP 1)
-    def _tp_broadcast(self, b: int, sig: Sig) -> None:
+    def tp_broadcast(self, b: int, tensors: list[torch.Tensor]) -> None:
+        """Rows [0, b) of each of ``tensors`` from the TP group's source rank to the others (in place)."""
         if self.tp > 1:
             import torch.distributed as dist
 
-            dist.broadcast(self.slots.sampled[:b], src=self._tp_src, group=self._tp_group)
-            if sig.logprobs:
-                dist.broadcast(self.slots.sampled_lp[:b], src=self._tp_src, group=self._tp_group)
+            for t in tensors:
+                dist.broadcast(t[:b], src=self._tp_src, group=self._tp_group)
 
-    def _pp_broadcast(self, b: int, sig: Sig) -> None:
+    def pp_broadcast(self, b: int, tensors: list[torch.Tensor]) -> None:
+        """Rows [0, b) of each of ``tensors`` from the last pipeline stage to the others (in place)."""
         if self.pp > 1:
             import torch.distributed as dist
 
-            dist.broadcast(self.slots.sampled[:b], src=self._pp_last, group=self._pp_group)
-            if sig.logprobs:
-                dist.broadcast(self.slots.sampled_lp[:b], src=self._pp_last, group=self._pp_group)
+            for t in tensors:
+                dist.broadcast(t[:b], src=self._pp_last, group=self._pp_group)
 
-    def _send(self, t: torch.Tensor) -> None:
+    def send(self, t: torch.Tensor) -> None:
+        """``t`` to the next pipeline stage."""
         import torch.distributed as dist
 
         dist.send(t.contiguous(), dst=self._next)
 
-    def _recv(self, t: torch.Tensor) -> None:
+    def recv(self, t: torch.Tensor) -> None:
+        """Into ``t`` from the previous pipeline stage."""
         import torch.distributed as dist
 
         dist.recv(t, src=self._prev)
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, prompts: list[list[int]], b: int, pad: int) -> torch.Tensor | None:
-        """Fill the cache rows [0, n) with the prompts' keys / values; return the logits [b, V] of each row's
-        last prompt position on the last stage (zeros for slots >= n), None elsewhere."""
-        n = len(prompts)
-        uniq: dict[tuple[int, ...], int] = {}
-        of_slot = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
-        texts = list(uniq)
-        order = sorted(range(len(texts)), key=lambda u: -len(texts[u]))
-        chunks, cur = [], []
-        for u in order:  # longest first: each chunk is as wide as its first prompt
-            if cur and (len(cur) + 1) * len(texts[cur[0]]) > self.settings.prefill_tokens:
-                chunks.append(cur)
-                cur = []
-            cur.append(u)
-        chunks.append(cur)
+    def prefill(self, plan: PrefillPlan, b: int, pad: int, cache: StaticKVCache) -> torch.Tensor | None:
+        """Fill the cache rows [0, n) (n = ``len(plan.of_slot)``) with the prompts' keys / values, one forward per
+        ``plan.chunks``; return the logits [b, V] of each row's last prompt position on the last stage (zeros for
+        slots >= n), None elsewhere."""
+        texts, of_slot, n = plan.texts, plan.of_slot, len(plan.of_slot)
         logits_all = torch.zeros(b, self.vocab_size, dtype=torch.float32, device=self.device) if self.last else None
-        for chunk in chunks:
+        for chunk in plan.chunks:
             where = {u: i for i, u in enumerate(chunk)}
             width = len(texts[chunk[0]])
             dest = [j for j in range(n) if of_slot[j] in where]
@@ -217,26 +263,24 @@ class StageMixin:
                 for i, u in enumerate(chunk):
                     tok[i, : len(texts[u])] = torch.tensor(texts[u], dtype=torch.long)
                 tok = tok.to(self.device)
-                h = self._embed(tok, torch.arange(width, device=self.device).unsqueeze(0).expand(U, width))
+                h = self.embed(tok, torch.arange(width, device=self.device).unsqueeze(0).expand(U, width))
             else:
                 h = torch.empty(width, U, self.hidden, dtype=self.hidden_dtype, device=self.device)
-                self._recv(h)
+                self.recv(h)
             rope = self._rope(torch.arange(width, device=self.device), (width, 1, 1), self.kv_dtype)
             for li, layer in enumerate(self.layers):
-                h = self._layer(layer, h, rope, self._prefill_attention(li, dest_t, src_t))
-            self.stats.prefill_forwards += 1
+                h = self.layer(layer, h, rope, self._prefill_attention(cache, li, dest_t, src_t))
             if not self.last:
-                self._send(h)
+                self.send(h)
                 continue
             last_pos = torch.tensor([len(texts[u]) - 1 for u in chunk], device=self.device)
             h_last = h[last_pos, torch.arange(U, device=self.device)].unsqueeze(0)  # [1, U, H]
-            logits_all[dest_t] = self._logits(h_last)[0][src_t]
-        self.stats.prefill_prompts += len(texts)
+            logits_all[dest_t] = self.logits(h_last)[0][src_t]
         return logits_all
 
-    def _prefill_attention(self, li: int, dest: torch.Tensor, src: torch.Tensor):
+    def _prefill_attention(self, cache: StaticKVCache, li: int, dest: torch.Tensor, src: torch.Tensor):
         def attend(q, k, v):  # q [s, U, heads, d], k / v [s, U, groups, d]
-            self.cache.write_prefix(li, dest, k.transpose(0, 1)[src], v.transpose(0, 1)[src])
+            cache.write_prefix(li, dest, k.transpose(0, 1)[src], v.transpose(0, 1)[src])
             s, U = q.shape[0], q.shape[1]
             out = F.scaled_dot_product_attention(
                 q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
@@ -246,35 +290,36 @@ class StageMixin:
         return attend
 
     # ------------------------------------------------------------------ decode
-    def _decode_compute(self, b: int, kv: int) -> torch.Tensor | None:
-        """This stage's part of one decode step for slots [0, b), attention over positions [0, kv): logits
-        [b, V] on the last stage; otherwise the hidden state goes to ``hidden_out``. The fused step where it serves
-        the model (:mod:`laconic_nemo.rollout.fused`), else the model's modules."""
+    def decode(self, b: int, kv: int, slots: Slots, cache: StaticKVCache) -> torch.Tensor | None:
+        """This stage's part of one decode step for slots [0, b) (their tokens, positions and cache rows; the
+        received hidden state ``slots.hidden_in`` after the first stage), attention over positions [0, kv): logits
+        [b, V] on the last stage; otherwise the hidden state goes to ``slots.hidden_out``. The fused step where it
+        serves the model (:mod:`laconic_nemo.rollout.fused`), else the model's modules."""
         if self.fused:
-            return self._decode_fused(b, kv)
-        s = self.slots
+            return self._decode_fused(b, kv, slots, cache)
+        s = slots
         pos = s.pos[:b]
         if self.first:
-            h = self._embed(s.tokens[:b].unsqueeze(1), pos.unsqueeze(1))  # [1, b, H]
+            h = self.embed(s.tokens[:b].unsqueeze(1), pos.unsqueeze(1))  # [1, b, H]
         else:
             h = s.hidden_in[:b].unsqueeze(0)
         rope = self._rope(pos, (1, b, 1), self.kv_dtype)
         mask = (s.arange[:kv].unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, kv)
         rows = s.rows[:b]
         for li, layer in enumerate(self.layers):
-            h = self._layer(layer, h, rope, self._decode_attention(li, rows, pos, mask, b, kv))
+            h = self.layer(layer, h, rope, self._decode_attention(cache, li, rows, pos, mask, b, kv))
         if not self.last:
             s.hidden_out[:b].copy_(h[0])
             return None
-        return self._logits(h)[0]
+        return self.logits(h)[0]
 
-    def _decode_attention(self, li: int, rows, pos, mask, b: int, kv: int):
+    def _decode_attention(self, cache: StaticKVCache, li: int, rows, pos, mask, b: int, kv: int):
         g, per = self.groups, self.heads // self.groups
 
         def attend(q, k, v):  # q [1, b, heads, d], k / v [1, b, groups, d]
-            self.cache.write(li, rows, pos, k[0], v[0])
-            keys = self.cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, groups, kv, d]
-            vals = self.cache.values(li)[:b, :kv].transpose(1, 2)
+            cache.write(li, rows, pos, k[0], v[0])
+            keys = cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, groups, kv, d]
+            vals = cache.values(li)[:b, :kv].transpose(1, 2)
             # megatron's GQA: query head i reads key-value group i // (heads / groups), so the heads of a group
             # become that group's query rows (one kernel call, no key / value expansion)
             qq = q[0].reshape(b, g, per, self.head_dim)
@@ -284,22 +329,14 @@ class StageMixin:
         return attend
 
     # ------------------------------------------------------------------ the fused decode step
-    def _set_rope(self, positions: int) -> None:
-        """The RoPE tables of ``positions`` positions from the model's table (``GPTModel.rotary_pos_emb``: float32
-        angles [positions, 1, 1, rot]): cos / sin for the prefill and the module path, the fused step's factors."""
-        freqs = self.model.rotary_pos_emb(positions).reshape(positions, -1)
-        self._rope_cos, self._rope_sin = torch.cos(freqs), torch.sin(freqs)
-        if self.fused:
-            self._rope_tab = rope_table(freqs, bool(self.model.config.rotary_interleaved), self.kv_dtype)
-
-    def _decode_fused(self, b: int, kv: int) -> torch.Tensor | None:
-        """:meth:`_decode_compute` through :mod:`laconic_nemo.rollout.fused`: hidden [b, H] rows, the RoPE factors
-        of the step's positions gathered once ([b, 1, heads per group + 2, rot]), an additive mask [b, 1, 1, kv]
-        built once, each layer's residual updated in place."""
-        s = self.slots
+    def _decode_fused(self, b: int, kv: int, slots: Slots, cache: StaticKVCache) -> torch.Tensor | None:
+        """:meth:`decode` through :mod:`laconic_nemo.rollout.fused`: hidden [b, H] rows, the RoPE factors of the
+        step's positions gathered once ([b, 1, heads per group + 2, rot]), an additive mask [b, 1, 1, kv] built
+        once, each layer's residual updated in place."""
+        s = slots
         pos, rows = s.pos[:b], s.rows[:b]
         if self.first:
-            h = self._lookup(s.tokens[:b])
+            h = self.lookup(s.tokens[:b])
             emb = self.model.embedding
             if emb.add_position_embedding:
                 h = h + emb.position_embeddings(pos)
@@ -313,13 +350,14 @@ class StageMixin:
         mask.masked_fill_(s.arange[:kv].unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
         mask = mask.view(b, 1, 1, kv)
         for li, fl in enumerate(self._fused_layers):
-            self._fused_layer(li, fl, h, rope, mask, rows, pos, b, kv)
+            self._fused_layer(cache, li, fl, h, rope, mask, rows, pos, b, kv)
         if not self.last:
             s.hidden_out[:b].copy_(h)
             return None
         return self._fused_logits(h)
 
-    def _fused_layer(self, li: int, fl: FusedLayer, h: torch.Tensor, rope, mask, rows, pos, b: int, kv: int) -> None:
+    def _fused_layer(self, cache: StaticKVCache, li: int, fl: FusedLayer, h: torch.Tensor, rope, mask, rows, pos,
+                     b: int, kv: int) -> None:
         """One layer on hidden [b, H], in place (see :mod:`laconic_nemo.rollout.fused`)."""
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         x = h if fl.in_norm is None else fl.in_norm(h)
@@ -329,9 +367,9 @@ class StageMixin:
             qkv = torch.cat((q if fl.q_norm is None else fl.q_norm(q), k if fl.k_norm is None else fl.k_norm(k), v),
                             dim=2)
         r = qkv if rope is None else rotate(qkv, *rope, bool(self.model.config.rotary_interleaved))
-        self.cache.write_kv(li, rows, pos, r[:, :, per:].permute(2, 0, 1, 3))  # [2, b, g, d]
-        keys = self.cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, g, kv, d]
-        vals = self.cache.values(li)[:b, :kv].transpose(1, 2)
+        cache.write_kv(li, rows, pos, r[:, :, per:].permute(2, 0, 1, 3))  # [2, b, g, d]
+        keys = cache.keys(li)[:b, :kv].transpose(1, 2)  # [b, g, kv, d]
+        vals = cache.values(li)[:b, :kv].transpose(1, 2)
         ctx = F.scaled_dot_product_attention(r[:, :, :per], keys, vals, attn_mask=mask, scale=self.scale)
         row_into(fl.proj, ctx.reshape(b, self.heads * d), h, self.tp)
         fl.mlp_into(h if fl.pre_norm is None else fl.pre_norm(h), h, self.tp)

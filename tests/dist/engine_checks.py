@@ -90,7 +90,7 @@ def _tp_checks(engine, eos: int) -> dict:
     tok = torch.randint(0, engine.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(5).expand(3, 5)
     with torch.no_grad():
-        mine = engine._embed(tok, pos)
+        mine = engine.stage.embed(tok, pos)
         theirs = engine.model.embedding(input_ids=tok, position_ids=pos)
     out["embedding_equal"] = torch.equal(mine, theirs)
     arch = tiny_arch()

@@ -11,8 +11,9 @@ say how to carry it over. The pre-flight runs the same restore on freshly built 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from laconic_nemo.config import Config, defaults, to_dict
 from laconic_nemo.core.constraints import (
@@ -68,6 +69,48 @@ def build_constraints(cfg: Config, budgets: Sequence[float] | None = None, marke
     classes of ``budgets``, the tail constraint, the marker's token ids ``marker``) from ``cfg.laconic`` with
     L_max = ``rollout.max_new_tokens``; what the trainer and ``plan`` both build."""
     return Constraints.build(cfg.laconic, cfg.rollout.max_new_tokens, budgets, marker)
+
+
+@dataclass(frozen=True)
+class TrainerConstraints:
+    """What the trainer holds of the constraints: ``constraints`` (:func:`build_constraints`), ``prompt_budgets``
+    (B_i of each prompt when they come from the data, else None) and ``report_classes`` (the classes of the
+    per-class report, ``budget_class/<name>/...``: the run's budget classes, or, for a shaper without multipliers
+    such as the L1 baselines, one class per stated target of a set, data.target_lengths; None: no report)."""
+
+    constraints: Constraints
+    prompt_budgets: list[float] | None
+    report_classes: BudgetClasses | None
+
+
+def trainer_constraints(cfg: Config, encode: Callable[[str], list[int]], num_prompts: int,
+                        budgets: Sequence[float] | None = None) -> TrainerConstraints:
+    """The trainer's constraints (:class:`TrainerConstraints`): the marker's token ids by ``encode``, and with
+    per-prompt budgets the classes of the stated targets or of the prompts' B_i (``budgets``, one per prompt of the
+    ``num_prompts``; default :func:`run_budgets`, the data files' or the synthetic rows' data.budget_key). Raises
+    ValueError naming the key where the marker encodes to nothing or the budgets do not match the prompts."""
+    lc, d = cfg.laconic, cfg.data
+    marker = None
+    if lc.reasoning_marker is not None:
+        marker = list(encode(lc.reasoning_marker))
+        if not marker:
+            raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
+    prompt_budgets = None
+    stated = None
+    if lc.per_prompt_budget:
+        stated = d.stated_budgets()
+        if stated is None:
+            if budgets is None:
+                budgets = run_budgets(cfg)
+            if len(budgets) != num_prompts:
+                raise ValueError(f"data.budget_key: {len(budgets)} budgets for {num_prompts} prompts")
+            prompt_budgets = [float(b) for b in budgets]
+            stated = prompt_budgets
+    constraints = build_constraints(cfg, stated, marker)
+    report = constraints.classes
+    if report is None and d.target_lengths is not None:
+        report = BudgetClasses(d.stated_budgets(), None, eta=0.0, ceiling=0.0)
+    return TrainerConstraints(constraints, prompt_budgets, report)
 
 
 def carry_over(cfg: Config) -> CarryOver:

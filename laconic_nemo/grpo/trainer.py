@@ -41,7 +41,6 @@ from laconic_nemo.config import Config, check_layout, defaults, state_target, to
 from laconic_nemo.core import (
     CORRECT,
     BudgetClasses,
-    Constraints,
     DualController,
     TailConstraint,
     class_report,
@@ -61,7 +60,7 @@ from laconic_nemo.grpo.checkpoint import (
     dist_ready,
     find_resume_checkpoint,
 )
-from laconic_nemo.grpo.constraints import build_constraints, restore_constraints, resume_strict, run_budgets
+from laconic_nemo.grpo.constraints import restore_constraints, resume_strict, trainer_constraints
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -254,7 +253,9 @@ class GRPOTrainer:
         self.local_minibatch = cfg.grpo.minibatch_per_rank(dp)
         # the multipliers (the only state of the shaping): lambda's controller or the shaper's constant lambda,
         # the budget classes, the tail constraint; `laconic-nemo plan` builds the same (laconic_nemo.plan.step_one)
-        self.constraints = self._build_constraints(budgets)
+        built = trainer_constraints(cfg, encode, len(self.prompts), budgets)
+        self.constraints, self.prompt_budgets, self.report_classes = (built.constraints, built.prompt_budgets,
+                                                                      built.report_classes)
         self.sampler = PromptSampler(len(self.prompts), cfg.grpo.num_prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.out = Path(cfg.run.output_dir)
         self.rank = dist.get_rank() if dist_ready() else 0
@@ -268,36 +269,6 @@ class GRPOTrainer:
         self.stop = StopSignals()
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
-
-    def _build_constraints(self, budgets: Sequence[float] | None) -> Constraints:
-        """The run's constraints (core/constraints.py) with the marker's token ids and, with per-prompt budgets,
-        the classes of the stated targets or of the prompts' B_i (``budgets``; default: :func:`run_budgets`, the
-        data files' or the synthetic rows' data.budget_key, kept in :attr:`prompt_budgets`); sets
-        :attr:`report_classes`, the classes of the per-class report."""
-        lc, d = self.cfg.laconic, self.cfg.data
-        marker = None
-        if lc.reasoning_marker is not None:
-            marker = list(self.encode(lc.reasoning_marker))
-            if not marker:
-                raise ValueError(f"laconic.reasoning_marker = {lc.reasoning_marker!r} encodes to no token")
-        self.prompt_budgets = None
-        stated = None
-        if lc.per_prompt_budget:
-            stated = d.stated_budgets()
-            if stated is None:
-                if budgets is None:
-                    budgets = run_budgets(self.cfg)
-                if len(budgets) != len(self.prompts):
-                    raise ValueError(f"data.budget_key: {len(budgets)} budgets for {len(self.prompts)} prompts")
-                self.prompt_budgets = [float(b) for b in budgets]
-                stated = self.prompt_budgets
-        constraints = build_constraints(self.cfg, stated, marker)
-        # the per-class report (budget_class/<name>/...): the run's budget classes, or, for a shaper without
-        # multipliers (the L1 baselines), one class per stated target of a set (data.target_lengths)
-        self.report_classes = constraints.classes
-        if self.report_classes is None and d.target_lengths is not None:
-            self.report_classes = BudgetClasses(d.stated_budgets(), None, eta=0.0, ceiling=0.0)
-        return constraints
 
     @property
     def dual(self) -> DualController | None:

@@ -88,7 +88,7 @@ class MegatronCoreActor:
     micro_batch_size = PartAttribute("batches")
     micro_batch_tokens = PartAttribute("batches")
     sort_by_length = PartAttribute("batches")
-    pad_id = PartAttribute("batches", read_only=True)
+    pad_id = PartAttribute("generation", read_only=True)
     reference_on = PartAttribute("reference")
     kl_beta = PartAttribute("reference", read_only=True)
     logprob_chunk_size = PartAttribute("log_probs")

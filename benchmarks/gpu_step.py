@@ -409,13 +409,13 @@ def reference_placements(actor, arch, prompt_len: int, max_resp: int, device, ad
         first = lp if first is None else first
         add("reference", f"pi_ref weights on {where}", f"{dt:.2f} s per pass (8 rows)",
             f"max |diff| to {placements[0]} {float((lp - first).abs().max()):.1e}", "-")
-    actor._ref_state = None
+    actor.reference.state = None
 
 
 def packed_padding_share(actor, batch) -> float:
     """Share of the processed positions that are padding with the actor's packed micro-batches (tails padded
     to one size under pipeline parallelism only)."""
-    packs = actor._packs(batch)
+    packs = actor.batches.packs(batch)
     return 1.0 - sum(p.real_tokens for p in packs) / sum(p.size for p in packs)
 
 
@@ -425,10 +425,10 @@ def micro_batch_memory(actor, batch, packed: bool, device) -> tuple[str, list[fl
     from laconic_nemo.actors import memory
 
     if packed:
-        packs = actor._packs(batch)
+        packs = actor.batches.packs(batch)
         tokens, seq, n = max(p.size for p in packs), max(p.max_seqlen for p in packs), len(packs)
     else:
-        micro, _ = actor._micro_batches(batch, min(actor.micro_batch_size, len(batch)))
+        micro, _ = actor.batches.micro_batches(batch, min(actor.micro_batch_size, len(batch)))
         seq = max(mb.tokens.shape[1] for mb in micro)
         tokens, n = seq * min(actor.micro_batch_size, len(batch)), len(micro)
     gib = None if device.type == "cuda" else memory.H100_GIB
@@ -565,7 +565,7 @@ def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, c
         seqused_estimate(out, engine.settings, engine.cache.shape.positions, weight_bytes,
                          engine.cache.shape.bytes_per_token), "-", "not built (docs/benchmarks.md)")
     engine.free()
-    actor._decode_engine = None
+    actor.generation.engine = None
     free()
 
     # the rest of one GRPO step of the paper's run on this rank, on this rollout's tokens
@@ -734,7 +734,7 @@ def main(argv=None) -> int:
         if attention == "sdpa" and "engine" not in skip:
             engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eos_id, device, hf_tps, tbs,
                            add, cpu, args.profile)
-            actor._decode_engine = None
+            actor.generation.engine = None
             free()
         if "train" not in skip:
             batch = train_batch(arch, train_rows, prompt_len, max_resp)

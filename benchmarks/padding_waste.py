@@ -11,7 +11,7 @@ paths on a stand-in model whose next token is EOS exactly at each row's length:
 * rollout: positions fed to the model by ``sample_on_device`` per rollout, without row compaction (every row
   runs to the longest) and with it (``rollout.compact``, checked every ``sync_every`` steps); useful = each
   row's prompt + response but its last token (which is sampled, never fed);
-* training: positions of the micro-batches the actor builds (``MegatronCoreActor._micro_batches``) for a
+* training: positions of the micro-batches the actor builds (``MicroBatches.micro_batches``) for a
   minibatch, fixed width ``[mbs, T]`` vs length-sorted micro-batches cut to their longest row
   (``grpo.sort_by_length``), and the packed micro-batches (``grpo.micro_batch_tokens``, the default: rows
   concatenated without padding; with pipeline parallelism each pack's tail is padded to the longest pack);
@@ -26,13 +26,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from laconic_nemo.actors.megatron_core import MegatronCoreActor  # noqa: E402
+from laconic_nemo.actors.megatron_batches import MicroBatches  # noqa: E402
 from laconic_nemo.actors.packing import build_packs  # noqa: E402
 from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch  # noqa: E402
 from laconic_nemo.rollout.megatron_sampler import sample_on_device  # noqa: E402
@@ -87,8 +86,7 @@ def training_work(prompt_lens, resp_lens, mbs: int, minibatch: int, sort: bool, 
     """Positions processed and useful over the minibatches: padded micro-batches of ``mbs`` rows, or packs of
     ``pack_tokens`` (``pp`` > 1: tails padded to one size per minibatch)."""
     processed = useful = 0
-    actor = SimpleNamespace(sort_by_length=sort, info=SimpleNamespace(pp_size=1),
-                            _pad_rows=lambda b, m: MegatronCoreActor._pad_rows(None, b, m))
+    batches = MicroBatches(mbs, 0, sort, 1, None, torch.device("cpu"))
     for a in range(0, len(prompt_lens), minibatch):
         P = torch.tensor(prompt_lens[a : a + minibatch])
         R = torch.tensor(resp_lens[a : a + minibatch])
@@ -98,7 +96,7 @@ def training_work(prompt_lens, resp_lens, mbs: int, minibatch: int, sort: bool, 
         if pack_tokens:
             processed += sum(p.size for p in build_packs(batch, pack_tokens, pad_to_longest=pp > 1))
         else:
-            micro, _ = MegatronCoreActor._micro_batches(actor, batch, mbs)
+            micro, _ = batches.micro_batches(batch, mbs)
             processed += sum(mb.tokens.numel() for mb in micro)
         useful += int((P + R).sum())
     return processed, useful

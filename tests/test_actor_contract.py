@@ -122,3 +122,35 @@ def test_the_actor_does_not_initialise_torch_distributed():
     with pytest.raises(RuntimeError, match="init_distributed"):
         MegatronCoreActor.from_config(cfg)
     assert not dist.is_initialized()
+
+
+def test_megatron_core_actor_attributes_reach_the_part_that_owns_them():
+    """Every attribute the actor keeps in one of its parts names a member that part sets when built, a setting
+    written on the actor after it is built lands in the part, and a read-only one refuses the write."""
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from laconic_nemo.actors.megatron_batches import MicroBatches
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor, PartAttribute
+    from laconic_nemo.actors.megatron_generate import Generation
+    from laconic_nemo.actors.megatron_logprobs import Logprobs
+    from laconic_nemo.actors.megatron_reference import ReferencePolicy
+    from laconic_nemo.actors.megatron_schedule import ScheduleRunner
+    from laconic_nemo.actors.megatron_shards import ModelWeights
+    from laconic_nemo.actors.megatron_step import TrainStep
+
+    parts = {"weights": ModelWeights, "batches": MicroBatches, "schedule": ScheduleRunner,
+             "reference": ReferencePolicy, "log_probs": Logprobs, "generation": Generation, "stepper": TrainStep}
+    assert set(parts) <= init_assignments(MegatronCoreActor)
+    kept = {n: a for n, a in vars(MegatronCoreActor).items() if isinstance(a, PartAttribute)}
+    assert {"micro_batch_tokens", "sort_by_length", "recompute_setting", "lr", "sampler", "reference_on",
+            "engine_settings"} <= {n for n, a in kept.items() if not a.read_only}
+    for name, attr in kept.items():
+        assert name in init_assignments(parts[attr.part]), f"{attr.part} does not own {name}"
+    actor = MegatronCoreActor.__new__(MegatronCoreActor)
+    actor.batches, actor.stepper = SimpleNamespace(micro_batch_tokens=64), SimpleNamespace(optimizer="adam")
+    actor.micro_batch_tokens = 0
+    assert actor.batches.micro_batch_tokens == 0 and actor.micro_batch_tokens == 0
+    with pytest.raises(AttributeError, match="optimizer"):
+        actor.optimizer = None
+    assert actor.stepper.optimizer == "adam"

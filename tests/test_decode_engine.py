@@ -305,7 +305,7 @@ def test_megatron_core_actor_keeps_or_releases_the_engine(dist1, mode):
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, eos_id=EOS, seed=1)
     first, second = actor.generate(prompts, sp), actor.generate(prompts, sp)
     assert same(first, second)
-    engine = actor._decode_engine
+    engine = actor.generation.engine
     plan = actor.plan_memory(64, 64, 1, device_gib=80.0)
     if mode == "release":
         assert engine.cache is None and memory.live_engine_bytes(engine) == 0.0 and plan.resident_gib == 0.0

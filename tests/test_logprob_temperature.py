@@ -65,23 +65,22 @@ def test_trainer_computes_old_and_reference_logprobs_at_the_rollout_temperature(
 
 
 def test_megatron_token_logprobs_divide_by_temperature():
-    """MegatronCoreActor.token_logprobs on a single TP rank equals float64 log_softmax(logits / T)."""
+    """Logprobs.token_logprobs (the megatron-core actor's) on a single TP rank equals float64 log_softmax(logits / T)."""
     pytest.importorskip("megatron.core")
-    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.actors.megatron_logprobs import Logprobs
     from laconic_nemo.runtime.megatron_env import destroy_distributed, init_distributed
 
     init_distributed(1, 1, seed=0)
     try:
         # sequence chunks of 2 positions (5 = 2 + 2 + 1), with and without autograd (checkpointed chunks)
         fake = SimpleNamespace(tp_rank=0, vocab_size=9, logprob_chunk_size=2)
-        fake._chunk_logprobs = lambda *a: MegatronCoreActor._chunk_logprobs(fake, *a)
         logits = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(0))  # one padded vocab column
         labels = torch.randint(0, 9, (2, 5), generator=torch.Generator().manual_seed(1))
         ref = torch.log_softmax(logits[..., :9].double() / 0.6, -1).gather(-1, labels[..., None]).squeeze(-1)
-        got = MegatronCoreActor.token_logprobs(fake, logits, labels, 0.6)
+        got = Logprobs.token_logprobs(fake, logits, labels, 0.6)
         assert torch.allclose(got.double(), ref, atol=1e-5)
         leaf = logits.clone().requires_grad_(True)
-        got = MegatronCoreActor.token_logprobs(fake, leaf, labels, 0.6)
+        got = Logprobs.token_logprobs(fake, leaf, labels, 0.6)
         got.sum().backward()
         ref_leaf = logits.double().clone().requires_grad_(True)
         ref = torch.log_softmax(ref_leaf[..., :9] / 0.6, -1).gather(-1, labels[..., None]).squeeze(-1)

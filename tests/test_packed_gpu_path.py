@@ -275,9 +275,9 @@ class CompileWatch:
 
 
 def _watched_params(monkeypatch):
-    """megatron_logprobs' packed_seq_params with the row boundaries wrapped in HostWatch (the device copy the
+    """megatron_schedule's packed_seq_params with the row boundaries wrapped in HostWatch (the device copy the
     model sees); returns the list of boundaries handed out."""
-    from laconic_nemo.actors import megatron_logprobs
+    from laconic_nemo.actors import megatron_schedule
 
     seen = []
 
@@ -286,7 +286,7 @@ def _watched_params(monkeypatch):
         seen.append(cu)
         return kernels.packed_seq_params(cu, max_seqlen, position_ids=position_ids)
 
-    monkeypatch.setattr(megatron_logprobs, "packed_seq_params", watched)
+    monkeypatch.setattr(megatron_schedule, "packed_seq_params", watched)
     return seen
 
 
@@ -303,7 +303,7 @@ def test_gpu_packed_path_never_compiles_nor_reads_cu_seqlens_on_the_host(mp_stat
     assert gpu_kernel == "varlen"
     actor = _actor(budget=40)
     batch = _batch(10, 24, seed=3)
-    assert len({p.size for p in actor._packs(batch)}) >= 3  # several pack sizes in one call
+    assert len({p.size for p in actor.batches.packs(batch)}) >= 3  # several pack sizes in one call
     monkeypatch.setattr(SDPAttention, "packed_kernel", "dense")
     dense_lp = actor.logprobs(batch)
 
@@ -355,6 +355,6 @@ def test_flex_fallback_compiles_per_padded_size_only(mp_state, monkeypatch):
     HostWatch.reads.clear()
     monkeypatch.setattr(SDPAttention, "packed_kernel", gpu_kernel)
     actor.logprobs(batch)
-    assert len({p.size for p in actor._packs(batch)}) >= 3 and len(shapes) == 2 * len(seen)
+    assert len({p.size for p in actor.batches.packs(batch)}) >= 3 and len(shapes) == 2 * len(seen)
     assert {s[2] for s in shapes} == {256}
     assert HostWatch.reads == [] and watch.block_masks == [] and watch.compiles == []

@@ -1,8 +1,11 @@
-"""Checkpoint shards of the megatron-core actor: this rank's model, optimiser and scheduler state, and the
+"""The weights of the megatron-core actor: this rank's shard (its checkpoint entries ``"model"`` and ``"parallel"``;
+the optimiser and scheduler entries are the training step's, :mod:`laconic_nemo.actors.megatron_step`), and the
 unsharded (TP shards concatenated, PP stages merged, vocabulary padding removed) weights and gradients, named as in
 a TP = 1 / PP = 1 GPTModel; :func:`merge_rank_states` merges saved shards offline by the same rules.
 
-:class:`ShardsMixin` is a part of :class:`laconic_nemo.actors.megatron_core.MegatronCoreActor`.
+:class:`ModelWeights` is the weights part of :class:`laconic_nemo.actors.megatron_core.MegatronCoreActor`: it owns
+the bare GPTModel of this rank, its layout and vocabulary sizes; the reference policy
+(:mod:`laconic_nemo.actors.megatron_reference`) and the training step read and write the weights through it.
 """
 
 from __future__ import annotations
@@ -35,16 +38,30 @@ def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
     return out
 
 
-class ShardsMixin:
-    """This rank's state for checkpoints and the warm-up cache, and the unsharded weights / gradients."""
+class ModelWeights:
+    """This rank's weights: the bare GPTModel of one pipeline stage (``module``, unwrapped from DDP), its state for
+    checkpoints and the warm-up cache, and where its shards sit in the unsharded model.
+
+    info: this rank's layout (:class:`laconic_nemo.runtime.megatron_env.ParallelInfo`); config: megatron's
+    TransformerConfig (``num_layers`` L over ``pp`` stages); vocab_size: the real vocabulary V; padded_vocab_size:
+    Vp, a multiple of TP (the embedding and output layer hold ``[Vp / tp, H]`` rows on each TP rank).
+    """
+
+    def __init__(self, module: torch.nn.Module, info: Any, config: Any, vocab_size: int, padded_vocab_size: int):
+        self.module, self.info, self.config = module, info, config
+        self.vocab_size, self.padded_vocab_size = int(vocab_size), int(padded_vocab_size)
+
+    def param_state(self) -> dict[str, torch.Tensor]:
+        """The module's tensors by local name (parameters and buffers, the live tensors, not copies)."""
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """This rank's weights (CPU copies), e.g. a warmed-up policy to cache."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()}
+        """This rank's weights (CPU copies), e.g. a warmed-up policy to cache or a checkpoint's ``"model"``."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.param_state().items()}
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights saved by :meth:`model_state` (same layout); the optimiser is untouched."""
-        current = self._param_state()
+        current = self.param_state()
         missing = set(current) - set(state)
         if missing:
             raise ValueError(f"model state lacks tensors: {sorted(missing)[:5]}")
@@ -52,48 +69,34 @@ class ShardsMixin:
             for k, v in current.items():
                 v.data.copy_(state[k].to(v.device))
 
-    def _param_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
-
-
     # ------------------------------------------------------------------ checkpoints
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This rank's model, optimiser and scheduler state (host copies, ``torch.save``-able): no copy of a tensor
-        is made on the device (the optimiser state is 12 bytes a parameter, ~20 GB at 1.5B on one rank)."""
-        return {
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self._param_state().items()},
-            "optimizer": host_copy(self.optimizer.state_dict()),
-            "scheduler": {"step_count": self.step_count, "lr": self.lr, "warmup_steps": self.warmup_steps},
-            "reference": None if self._ref_state is None else {k: v.to("cpu", copy=True) for k, v in self._ref_state.items()},
-            "parallel": {"tp": self.info.tp_size, "pp": self.info.pp_size, "tp_rank": self.tp_rank,
-                         "pp_rank": self.pp_rank, "num_layers": self.config.num_layers,
-                         "vocab_size": self.vocab_size, "tp_split_dims": self.tp_split_dims()},
-        }
+    def layout_entry(self) -> dict[str, Any]:
+        """A checkpoint's ``"parallel"`` entry: the TP x PP layout and what merging the shards offline needs."""
+        info = self.info
+        return {"tp": info.tp_size, "pp": info.pp_size, "tp_rank": info.tp_rank, "pp_rank": info.pp_rank,
+                "num_layers": self.config.num_layers, "vocab_size": self.vocab_size,
+                "tp_split_dims": self.tp_split_dims()}
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict_for_checkpoint` returned (same TP/PP layout)."""
+    def load_checkpoint_entries(self, state: dict[str, Any]) -> None:
+        """Check a checkpoint's ``"parallel"`` layout against this run's and load its ``"model"`` weights."""
         par = state.get("parallel", {})
         if par and (par.get("tp"), par.get("pp")) != (self.info.tp_size, self.info.pp_size):
             raise ValueError(
                 f"checkpoint was written with tp={par.get('tp')}, pp={par.get('pp')}; this run has "
                 f"tp={self.info.tp_size}, pp={self.info.pp_size}"
             )
-        current = self._param_state()
+        current = self.param_state()
         missing = set(current) - set(state["model"])
         if missing:
             raise ValueError(f"checkpoint lacks model tensors: {sorted(missing)[:5]}")
         with torch.no_grad():
             for k, v in current.items():
                 v.data.copy_(state["model"][k].to(v.device))
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.step_count = int(state["scheduler"]["step_count"])
-        ref = state.get("reference")
-        self._ref_state = None if ref is None else {k: self._place_reference(v) for k, v in ref.items()}
 
     # ------------------------------------------------------------------ full (unsharded) tensors
-    def _global_name(self, name: str) -> str:
+    def global_name(self, name: str) -> str:
         """Local parameter name -> name in the unsharded single-stage model (global layer index)."""
-        return global_param_name(name, self.pp_rank, self.config.num_layers // self.info.pp_size)
+        return global_param_name(name, self.info.pp_rank, self.config.num_layers // self.info.pp_size)
 
     def tp_split_dims(self) -> dict[str, int]:
         """Local parameter name -> the dimension its TP shards are concatenated along (TP-sharded ones only)."""
@@ -126,7 +129,7 @@ class ShardsMixin:
             t = t.float().cpu().clone()
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 t = t[: self.vocab_size]
-            mine[self._global_name(name)] = t
+            mine[self.global_name(name)] = t
         if self.info.pp_size > 1:
             everything: list[Any] = [None] * self.info.pp_size
             dist.all_gather_object(everything, mine, group=parallel_state.get_pipeline_model_parallel_group())
@@ -137,12 +140,13 @@ class ShardsMixin:
         return mine
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded float32 CPU weights (TP shards concatenated, PP stages merged, vocab padding removed),
-        named as in a TP=1/PP=1 GPTModel; identical on every rank."""
+        """Unsharded float32 CPU weights (TP shards concatenated, PP stages merged, vocab padding removed: the
+        embedding and output layer ``[V, H]``), named as in a TP=1/PP=1 GPTModel; identical on every rank."""
         return self._gather_full(grads=False)
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded gradients (``main_grad``) of the last backward, same naming as :meth:`full_state_dict`."""
+        """Unsharded gradients (``main_grad``) of the last backward, same naming and shapes as
+        :meth:`full_state_dict`."""
         return self._gather_full(grads=True)
 
     @torch.no_grad()
@@ -150,14 +154,14 @@ class ShardsMixin:
         """Load unsharded weights (naming of :meth:`full_state_dict`): pad the vocabulary, take this rank's
         TP shard and PP layers. Padded vocabulary rows are set to zero."""
         for name, p in self.module.named_parameters():
-            key = self._global_name(name)
+            key = self.global_name(name)
             if key not in full:
                 raise KeyError(f"full state dict lacks {key!r}")
             t = full[key].to(torch.float32)
             if name in ("embedding.word_embeddings.weight", "output_layer.weight") and t.shape[0] < self.padded_vocab_size:
                 t = torch.cat([t, t.new_zeros(self.padded_vocab_size - t.shape[0], *t.shape[1:])], dim=0)
             if getattr(p, "tensor_model_parallel", False) and self.info.tp_size > 1:
-                t = t.chunk(self.info.tp_size, dim=p.partition_dim)[self.tp_rank]
+                t = t.chunk(self.info.tp_size, dim=p.partition_dim)[self.info.tp_rank]
             if t.shape != p.shape:
                 raise ValueError(f"{key}: shard shape {tuple(t.shape)} does not match parameter {tuple(p.shape)}")
             p.data.copy_(t.to(p.device, p.dtype))

@@ -111,6 +111,8 @@ WARMUP_MODULES = (
     "laconic_nemo.app.warmup", "laconic_nemo.app.task", "laconic_nemo.data.synthetic", "laconic_nemo.grpo.loss",
     "laconic_nemo.grpo.interfaces", "laconic_nemo.actors.megatron_core", "laconic_nemo.actors.megatron_build",
     "laconic_nemo.actors.megatron_logprobs", "laconic_nemo.actors.megatron_step", "laconic_nemo.actors.megatron_shards",
+    "laconic_nemo.actors.megatron_batches", "laconic_nemo.actors.megatron_schedule",
+    "laconic_nemo.actors.megatron_reference",
     "laconic_nemo.runtime.megatron_env", "laconic_nemo.runtime.kernels",
 )
 WARMUP_FUNCTIONS = (("laconic_nemo.grpo.checkpoint", "allreduce_sum"),)

@@ -121,8 +121,8 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.grpo.interfaces import SamplingParams
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
-    from laconic_nemo.runtime.megatron_env import init_distributed
     from laconic_nemo.rollout import megatron_sampler
+    from laconic_nemo.runtime.megatron_env import init_distributed
 
     tp, pp, kl_beta = LAYOUTS[layout]
     cfg = make_config(tp, pp, kl_beta)
@@ -149,7 +149,7 @@ def checks(rank: int, world: int, layout: str, port: int) -> dict:
     inside = (torch.arange(T - 1).unsqueeze(0) < (ends - 1).unsqueeze(1))[rows]
     res["logprob_err"] = float(((lp.double() - ref_lp[rows]) * inside).abs().max())
     res["logprob_past_end_max"] = float((lp * ~inside).abs().max())
-    packs = actor._packs(local)
+    packs = actor.batches.packs(local)
     res["pack_sizes"] = [p.size for p in packs]
     res["pack_real_tokens"] = [p.real_tokens for p in packs]
     actor.micro_batch_tokens = 0  # the unpacked path on the same weights

@@ -90,7 +90,7 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
 
         def forward_step(data_iterator, model):
             next(data_iterator)
-            out = model(tok, actor._position_ids(*tok.shape, start=start), None, inference_params=params)
+            out = model(tok, actor.batches.position_ids(*tok.shape, start=start), None, inference_params=params)
 
             def loss_func(output):
                 last = output[:, -1, :].float()
@@ -100,7 +100,7 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
 
             return out, loss_func
 
-        actor._schedule(forward_step, [None], tok.shape[1], tok.shape[0], forward_only=True)
+        actor.schedule.run(forward_step, [None], tok.shape[1], tok.shape[0], forward_only=True)
         params.sequence_len_offset += tok.shape[1]
         if actor.is_last_stage and actor.tp_rank == 0:
             return box[0] if on_device else box[0].cpu()
@@ -112,7 +112,7 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
         if actor.is_last_stage and actor.info.tp_size > 1:
             dist.broadcast(buf, src=parallel_state.get_tensor_model_parallel_src_rank(),
                            group=parallel_state.get_tensor_model_parallel_group())
-        buf = actor._pp_broadcast(buf)
+        buf = actor.schedule.pp_broadcast(buf)
         return buf if on_device else buf.cpu()
 
     def do_compact(keep):
@@ -120,6 +120,6 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
             params.key_value_memory_dict[layer] = (k.index_select(1, keep), v.index_select(1, keep))
         params.max_batch_size = params.current_batch_size = len(keep)
 
-    with actor._eval_mode():
+    with actor.schedule.eval_mode():
         return _loop(step, broadcast, do_compact if compact else None, prompts, sampling, sampler, actor.dp_rank,
                      sync_every, device=actor.device)

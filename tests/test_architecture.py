@@ -6,7 +6,11 @@
    to another unit of its layer);
 2. no import loops: the graph of the package's modules (file -> the file it imports) has no cycle;
 3. each library unit imports only what :data:`ALLOWED` names (narrower than its layer: the algorithm does not
-   reach down into a concrete actor or rollout engine), and only the units above the entry points import them.
+   reach down into a concrete actor or rollout engine), and only the units above the entry points import them;
+4. no private member (``_name``) of the package is used outside the module that defines it
+   (:func:`private_member_uses`): what one part calls of another is public, so a dependency shows in a signature;
+5. sizes: no class over :data:`MAX_CLASS_LINES` lines with the package's own base classes counted in (a class
+   split into mixins is still one class), no module over :data:`MAX_FILE_LINES` lines.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ ALLOWED = {
 }
 # the only units that may import the entry points (laconic_nemo.app)
 APP_IMPORTERS = {"app", "cli", "nemo_entry", "eval"}
+MAX_CLASS_LINES = 400  # a class with its in-package bases (mixins)
+MAX_FILE_LINES = 700
 
 
 def unit_of(path: Path, pkg: Path = PKG) -> str:
@@ -278,3 +284,120 @@ def test_the_rule_catches_an_import_loop(tmp_path):
         assert tie in loops[0], (tie, loops[0])
     assert "outside" not in loops[0]
     assert import_loops([f for f in files if f.name != "b.py"], pkg) == []
+
+
+# ---------------------------------------------------------------------------------------------- private members
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_members_defined(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, classes and variables, its classes' methods, attributes
+    set on ``self`` / ``cls``, and parameters."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = n.name
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            name = n.id
+        elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+              and n.value.id in ("self", "cls")):
+            name = n.attr
+        elif isinstance(n, ast.arg):
+            name = n.arg
+        else:
+            continue
+        if _private(name):
+            out.add(name)
+    return out
+
+
+def private_member_uses(files, pkg: Path = PKG) -> list[str]:
+    """Every use of a private member of the package in a module that does not define it: ``obj._name`` read or
+    written (``self._name`` too: a mixin reading its sibling's state), or ``from laconic_nemo... import _name``. A
+    private name that no module of ``files`` defines (an upstream library's, such as megatron's) is outside the
+    rule."""
+    trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
+    defined = {f: private_members_defined(t) for f, t in trees.items()}
+    owners: dict[str, set[Path]] = {}
+    for f, names in defined.items():
+        for name in names:
+            owners.setdefault(name, set()).add(f)
+    bad = []
+    for f, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and _private(n.attr):
+                used = [n.attr]
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("laconic_nemo"):
+                used = [a.name for a in n.names if _private(a.name)]
+            else:
+                continue
+            for name in used:
+                if name in owners and name not in defined[f]:
+                    where = ", ".join(sorted(str(o.relative_to(pkg.parent)) for o in owners[name]))
+                    bad.append(f"{f.relative_to(pkg.parent)}:{n.lineno} uses {name} (defined in {where})")
+    return sorted(bad)
+
+
+def test_no_private_member_is_used_outside_its_module():
+    assert private_member_uses(package_files()) == []
+
+
+def test_the_rule_catches_a_private_member_used_elsewhere(tmp_path):
+    """A planted module's private function, variable and ``self`` attribute, used by another module (a call, an
+    import, a mixin reading its sibling's state), are each reported; the owner's own uses and an upstream
+    library's private name are not."""
+    files = _plant(tmp_path, {
+        "actors/owner.py": ("_LIMIT = 3\n\ndef _helper():\n    return _LIMIT\n\n"
+                            "class Part:\n    def __init__(self):\n        self._state = {}\n\n"
+                            "    def read(self):\n        return self._state\n"),
+        "actors/user.py": ("from laconic_nemo.actors import owner\nfrom laconic_nemo.actors.owner import _LIMIT\n\n"
+                           "def f(part):\n    return owner._helper(), part._state\n\n"
+                           "class Sibling:\n    def g(self):\n        return self._state\n"),
+        "actors/clean.py": "import torch\n\ndef h():\n    return torch._C\n",
+    })
+    bad = private_member_uses(files, tmp_path / "laconic_nemo")
+    assert [b.split(" (")[0] for b in bad] == [
+        "laconic_nemo/actors/user.py:2 uses _LIMIT", "laconic_nemo/actors/user.py:5 uses _helper",
+        "laconic_nemo/actors/user.py:5 uses _state", "laconic_nemo/actors/user.py:9 uses _state"], bad
+    assert all("(defined in laconic_nemo/actors/owner.py)" in b for b in bad)
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+def class_sizes(files) -> dict[str, int]:
+    """``module:Class`` -> its lines plus those of its base classes defined in ``files`` (by name, recursively):
+    a class assembled from mixins counts as the one class it is."""
+    classes: dict[str, tuple[int, list[str], str]] = {}
+    for f in files:
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in n.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))]
+                classes.setdefault(n.name, (n.end_lineno - n.lineno + 1, bases, f"{f.stem}:{n.name}"))
+
+    def total(name: str, seen: frozenset) -> int:
+        lines, bases, _ = classes[name]
+        return lines + sum(total(b, seen | {name}) for b in bases if b in classes and b not in seen)
+
+    return {where: total(name, frozenset()) for name, (_, _, where) in classes.items()}
+
+
+def test_no_class_is_over_the_limit_with_its_mixins():
+    big = {k: v for k, v in class_sizes(package_files()).items() if v > MAX_CLASS_LINES}
+    assert big == {}, f"classes over {MAX_CLASS_LINES} lines (own + in-package bases): {big}"
+
+
+def test_no_module_is_over_the_limit():
+    big = {str(f.relative_to(PKG.parent)): n for f in package_files()
+           if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES}
+    assert big == {}, f"modules over {MAX_FILE_LINES} lines: {big}"
+
+
+def test_the_size_rule_counts_a_class_with_its_mixins(tmp_path):
+    """Two planted mixins of 3 lines each and a class of 2 built on them: 8 lines; a base from outside the files
+    (``object``, ``torch.nn.Module``) adds nothing."""
+    files = _plant(tmp_path, {"actors/parts.py": "class A:\n    x = 1\n    y = 2\n\n\nclass B:\n    z = 3\n    w = 4\n",
+                              "actors/whole.py": ("from laconic_nemo.actors.parts import A, B\n\n"
+                                                  "class Whole(A, B, object):\n    pass\n")})
+    sizes = class_sizes(files)
+    assert sizes == {"parts:A": 3, "parts:B": 3, "whole:Whole": 8}, sizes

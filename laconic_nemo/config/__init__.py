@@ -5,7 +5,7 @@ from ``laconic_nemo.config``.
 
 A recipe is a YAML file. It may name parent recipes in a ``defaults:`` list (paths relative to the
 recipe's folder, ``.yaml`` optional); parents are merged first, in order, then the recipe itself,
-then command-line overrides (OmegaConf dotlist, e.g. ``laconic.budget=1000``). The dataclasses below are
+then command-line overrides (OmegaConf dotlist, e.g. ``laconic.budget=1000``). The dataclasses of ``schema`` are
 the schema and the defaults (OmegaConf structured configs: values are typed); ``recipes/base.yaml`` is
 generated from them (``python -m laconic_nemo.config > recipes/base.yaml``; a test checks it is current).
 An unknown key is an error naming it, so a typo never silently falls back to a default.

@@ -19,7 +19,7 @@ that each own their state and are given the parts they use when built (one modul
   the generation's resident engine for the memory model): the optimiser step, its schedule, clip and recompute.
 
 The actor's settings live in the part that uses them; the actor reads and writes them there
-(:class:`PartAttribute`).
+(:class:`~laconic_nemo.rollout.parts.PartAttribute`).
 """
 
 from __future__ import annotations
@@ -39,29 +39,8 @@ from laconic_nemo.actors.megatron_step import TrainStep
 from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, LossFn, SamplingParams, TrainBatch
 from laconic_nemo.rollout.engine import DecodeEngine, engine_settings_from_config, resolve_sampler
+from laconic_nemo.rollout.parts import PartAttribute
 from laconic_nemo.runtime.megatron_env import ParallelInfo, parallel_info
-
-
-class PartAttribute:
-    """An attribute of the actor that one of its parts owns: ``actor.<name>`` reads (and, unless ``read_only``,
-    writes) ``actor.<part>.<name>``."""
-
-    def __init__(self, part: str, read_only: bool = False):
-        self.part, self.read_only, self.name = part, read_only, ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.__doc__ = f"``{self.part}.{name}``" + (" (read-only)" if self.read_only else "")
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(getattr(obj, self.part), self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if self.read_only:
-            raise AttributeError(f"{self.name} is fixed when the actor is built")
-        setattr(getattr(obj, self.part), self.name, value)
 
 
 class MegatronCoreActor:

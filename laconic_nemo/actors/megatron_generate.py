@@ -12,9 +12,7 @@ from typing import Any
 
 from laconic_nemo.actors.megatron_schedule import ScheduleRunner
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
-from laconic_nemo.rollout.engine import DecodeEngine
-
-ENGINE_MEMORY_CHOICES = ("resident", "release")
+from laconic_nemo.rollout.engine import DecodeEngine, check_engine_memory
 
 
 class Generation:
@@ -31,12 +29,10 @@ class Generation:
 
     def __init__(self, schedule: ScheduleRunner, vocab_size: int, dp_rank: int, pad_id: int | None, sampler: str,
                  sync_every: int, compact_rows: bool, engine_settings: Any, engine_memory: str):
-        if engine_memory not in ENGINE_MEMORY_CHOICES:
-            raise ValueError(f"rollout.engine_memory = {engine_memory!r} is invalid: allowed resident or release")
         self.schedule, self.vocab_size, self.dp_rank = schedule, int(vocab_size), dp_rank
         self.pad_id = None if pad_id is None else int(pad_id)
         self.sampler, self.sync_every, self.compact_rows = sampler, int(sync_every), bool(compact_rows)
-        self.engine_settings, self.engine_memory = engine_settings, engine_memory
+        self.engine_settings, self.engine_memory = engine_settings, check_engine_memory(engine_memory)
         self.engine: DecodeEngine | None = None
         self.rollout_engine = None
 

@@ -407,9 +407,9 @@ class NemoAlignerActor:
         self.engine_settings = engine_settings
         self.vocab_size = vocab_size
         self._decode_engine = None
-        if engine_memory not in ("resident", "release"):
-            raise ValueError(f"rollout.engine_memory = {engine_memory!r} is invalid: allowed resident or release")
-        self.engine_memory = engine_memory
+        from laconic_nemo.rollout.engine import check_engine_memory
+
+        self.engine_memory = check_engine_memory(engine_memory)
         self.logprob_chunk_size = int(logprob_chunk_size)
         model.laconic_logprob_chunk = self.logprob_chunk_size
         self.recompute_setting = None if recompute_layers is None else int(recompute_layers)

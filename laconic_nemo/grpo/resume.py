@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from laconic_nemo.config import Config
+from laconic_nemo.config import Config, ConfigError, build_config
 from laconic_nemo.core import classes_state_problem, shaper_problem, tail_state_problem
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -222,8 +222,6 @@ def saved_config(state: dict, where: str | Path) -> Config:
     """The run config a checkpoint's trainer state holds (``state["config"]``, the resolved config the run was
     trained with), read through the recipe loader: a checked :class:`~laconic_nemo.config.Config` (keys it lacks
     take their defaults). Raises ResumeError naming ``where`` (the checkpoint) when it has none or it fails a check."""
-    from laconic_nemo.config import ConfigError, build_config
-
     values = state.get("config") if isinstance(state, dict) else None
     if not isinstance(values, dict):
         raise ResumeError(f"{where}: trainer_state.json holds no run config (key config)")

@@ -87,12 +87,22 @@ from laconic_nemo.rollout.megatron_sampler import (
     check_sampling,
     sample_seed,
 )
+from laconic_nemo.rollout.parts import PartAttribute
 from laconic_nemo.rollout.schedule import WindowPlan, fine_buckets
 from laconic_nemo.rollout.slots import Sig, Slots
 from laconic_nemo.rollout.stage import PrefillPlan, Stage
 
 ENGINE_SAMPLERS = ("exact", "device")
+ENGINE_MEMORY_CHOICES = ("resident", "release")  # rollout.engine_memory
 DEFAULT_BUCKETS = fine_buckets()  # 8, 16, 32, 48, ..., 512
+
+
+def check_engine_memory(engine_memory: str) -> str:
+    """``rollout.engine_memory`` for an actor built without the recipe loader: ``resident`` (the engine's cache and
+    graphs kept between rollouts) or ``release`` (freed after each); ValueError naming the key otherwise."""
+    if engine_memory not in ENGINE_MEMORY_CHOICES:
+        raise ValueError(f"rollout.engine_memory = {engine_memory!r} is invalid: allowed resident or release")
+    return engine_memory
 
 
 def resolve_sampler(choice: str, on_gpu: bool) -> str:
@@ -107,7 +117,7 @@ def resolve_sampler(choice: str, on_gpu: bool) -> str:
 
 @dataclass
 class EngineSettings:
-    """The engine's knobs, the ``rollout.*`` keys of the same names (``laconic_nemo/config.py`` documents them).
+    """The engine's knobs, the ``rollout.*`` keys of the same names (``laconic_nemo/config/schema.py`` documents them).
 
     sampler: ``exact`` or ``device`` (resolved, not ``auto``); kv_cache_rows: None = as many as a call needs;
     max_new_tokens: ``rollout.max_new_tokens``, with ``max_prompt_length`` the cache's planned positions."""
@@ -154,7 +164,7 @@ class EngineSettings:
 
 def engine_settings_from_config(cfg: Config, dp_size: int, on_gpu: bool) -> EngineSettings:
     """The settings of a recipe (``cfg.rollout``, ``cfg.grpo``): ``rollout.sampler`` resolved for the device
-    (:func:`~laconic_nemo.runtime.kernels.resolve_sampler`); ``rollout.kv_cache_rows`` null: this DP rank's
+    (:func:`resolve_sampler`); ``rollout.kv_cache_rows`` null: this DP rank's
     responses per step (:meth:`~laconic_nemo.config.GRPOConfig.rollout_per_rank`, at least 1)."""
     r = cfg.rollout
     rows = r.kv_cache_rows if r.kv_cache_rows is not None else max(1, cfg.grpo.rollout_per_rank(max(1, dp_size)))
@@ -236,20 +246,6 @@ class EngineStats:
     step_ops: list = field(default_factory=list)  # opcount.OpCount per decode step, when count_ops is set
 
 
-class FromStage:
-    """A read-only attribute of the engine that is its :class:`~laconic_nemo.rollout.stage.Stage`'s of the same
-    name (``engine.fused``, ``engine.layers``, ...: what callers read off an engine)."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine, owner=None):
-        return self if engine is None else getattr(engine.stage, self.name)
-
-    def __set__(self, engine, value) -> None:
-        raise AttributeError(f"{self.name} is the stage's (engine.stage.{self.name}), read-only on the engine")
-
-
 class DecodeEngine:
     """Generation for a megatron-core GPT policy (see the module docstring). SPMD: call on every rank of the
     model-parallel group with the same prompts; every rank returns the same CPU tensors.
@@ -264,24 +260,24 @@ class DecodeEngine:
     (:class:`EngineStats` of the last call)."""
 
     # this rank's part of the model (read-only, the stage's)
-    model = FromStage()
-    vocab_size = FromStage()
-    fused = FromStage()
-    unfused_reason = FromStage()
-    layers = FromStage()
-    heads = FromStage()
-    groups = FromStage()
-    head_dim = FromStage()
-    hidden = FromStage()
-    hidden_dtype = FromStage()
-    kv_dtype = FromStage()
-    device = FromStage()
-    first = FromStage()
-    last = FromStage()
-    tp = FromStage()
-    tp_rank = FromStage()
-    pp = FromStage()
-    max_positions = FromStage()
+    model = PartAttribute("stage", read_only=True)
+    vocab_size = PartAttribute("stage", read_only=True)
+    fused = PartAttribute("stage", read_only=True)
+    unfused_reason = PartAttribute("stage", read_only=True)
+    layers = PartAttribute("stage", read_only=True)
+    heads = PartAttribute("stage", read_only=True)
+    groups = PartAttribute("stage", read_only=True)
+    head_dim = PartAttribute("stage", read_only=True)
+    hidden = PartAttribute("stage", read_only=True)
+    hidden_dtype = PartAttribute("stage", read_only=True)
+    kv_dtype = PartAttribute("stage", read_only=True)
+    device = PartAttribute("stage", read_only=True)
+    first = PartAttribute("stage", read_only=True)
+    last = PartAttribute("stage", read_only=True)
+    tp = PartAttribute("stage", read_only=True)
+    tp_rank = PartAttribute("stage", read_only=True)
+    pp = PartAttribute("stage", read_only=True)
+    max_positions = PartAttribute("stage", read_only=True)
 
     def __init__(self, model: Any, vocab_size: int, settings: EngineSettings | None = None):
         gpt = unwrap_gpt_model(model)

@@ -19,6 +19,7 @@ import time
 
 from laconic_nemo.config import Config, ConfigError, load_config
 from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
+from laconic_nemo.runtime.stop_signals import STOP_SIGNALS, handle_stop_signals
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
 RANK_REFUSAL = "laconic-nemo train: rank "  # how a rank's line of a failed check (status 2) begins
@@ -67,11 +68,7 @@ def install_early_stop() -> None:
     def handler(signum, _frame):
         EARLY_SIGNALS.append(signum)
 
-    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        try:
-            signal.signal(s, handler)
-        except ValueError:  # not the main thread
-            pass
+    handle_stop_signals(handler)
 
 
 def run(args) -> int:
@@ -294,7 +291,7 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     def forward(signum, _frame):
         received.append(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     received[:0] = EARLY_SIGNALS  # one that came before this handler replaced the start-up one
     print(f"launching {nprocs} local ranks (master 127.0.0.1:{port})", flush=True)
     procs, outputs = [], []

@@ -71,6 +71,7 @@ from laconic_nemo.grpo.interfaces import (
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 from laconic_nemo.grpo.metrics import MetricSink, MetricsWriter, build_sinks
 from laconic_nemo.runtime.faults import fault_point, heartbeat
+from laconic_nemo.runtime.stop_signals import STOP_SIGNALS, handle_stop_signals  # noqa: F401 - STOP_SIGNALS: the trainer's, also read from here
 
 # (responses, reference answers) -> (scores in [0, 1], metrics)
 RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]]"]
@@ -78,7 +79,6 @@ RewardFn = Callable[[list[str], list[Any]], "tuple[list[float], dict[str, float]
 PHASES = ("generate", "reward", "shape_advantage", "logprobs", "policy_update", "dual_step", "checkpoint")
 # Parts of a phase, logged beside the phases as time/<phase>/<part> (the phases alone add up to the step):
 # time/logprobs/old, time/logprobs/reference (grpo.kl_beta > 0), time/policy_update/<k> (optimiser step k, from 1).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
@@ -95,11 +95,7 @@ class StopSignals:
         def handler(signum, _frame):
             self.signal = signum
 
-        for s in STOP_SIGNALS:
-            try:
-                signal.signal(s, handler)
-            except ValueError:  # not the main thread (e.g. under some test runners)
-                pass
+        handle_stop_signals(handler)
         if early is not None and self.signal is None:
             self.signal = early
 
@@ -112,11 +108,7 @@ class StopSignals:
     def ignore() -> None:
         """Ignore the stop signals from now on (a finished run has nothing to stop: one that arrives while the
         interpreter exits, when Python restores the default action that kills, still leaves its status)."""
-        for s in STOP_SIGNALS:
-            try:
-                signal.signal(s, signal.SIG_IGN)
-            except ValueError:  # not the main thread
-                pass
+        handle_stop_signals(signal.SIG_IGN)
 
 
 def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,

@@ -61,11 +61,7 @@ class TrainStep:
 
     def layer_shape(self) -> memory.LayerShape:
         """The model's sizes for :mod:`laconic_nemo.actors.memory`."""
-        c = self.config
-        return memory.LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
-                                 groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
-                                 ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=self.weights.padded_vocab_size,
-                                 gated=bool(c.gated_linear_unit))
+        return memory.layer_shape_of(self.config, self.weights.padded_vocab_size)
 
     def plan_memory(self, tokens: int, seq: int, num_micro_batches: int,
                     device_gib: float | None = None) -> memory.MemoryPlan:
@@ -89,16 +85,11 @@ class TrainStep:
     def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:
         """Layers per pipeline stage to recompute for micro-batches of ``tokens`` tokens (``recompute_setting``;
         None: by memory on GPU, none on CPU)."""
-        per_stage = self.config.num_layers // self.info.pp_size
         self.last_shape = (int(tokens), int(seq), int(num_micro_batches))
-        self.memory_plan = None
-        if self.recompute_setting is not None:
-            return min(self.recompute_setting, per_stage)
-        if self.device.type != "cuda":
-            return 0
-        self.memory_plan = self.plan_memory(tokens, seq, num_micro_batches)
-        chosen = self.memory_plan.recompute_layers
-        return per_stage if chosen is None else chosen
+        layers, self.memory_plan = memory.choose_recompute(
+            self.recompute_setting, self.config.num_layers // self.info.pp_size, self.device.type == "cuda",
+            lambda: self.plan_memory(tokens, seq, num_micro_batches))
+        return layers
 
     def memory_prediction(self, device_gib: float | None = None) -> str | None:
         """The memory model's prediction for the last training step's micro-batches (None before the first): the

@@ -78,6 +78,7 @@ No torch here: ``plan`` uses it without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 GIB = float(2**30)
 # what a memory plan may fill of the device (inferred: the CUDA context, cuBLAS / NCCL workspaces and the caching
@@ -107,6 +108,28 @@ class LayerShape:
     @property
     def kv(self) -> int:
         return self.groups * self.head_dim
+
+
+def layer_shape_of(config: Any, vocab: int) -> LayerShape:
+    """The :class:`LayerShape` of a megatron ``TransformerConfig`` (global sizes) with the padded vocabulary
+    ``vocab``: what both actors plan their memory with."""
+    c = config
+    return LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
+                      groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+                      ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=int(vocab), gated=bool(c.gated_linear_unit))
+
+
+def choose_recompute(setting: int | None, per_stage: int, on_gpu: bool,
+                     plan: Callable[[], "MemoryPlan"]) -> tuple[int, "MemoryPlan | None"]:
+    """Layers per pipeline stage to recompute in backward, and the plan they were chosen by: ``setting``
+    (``grpo.recompute_layers``) capped at the stage's ``per_stage`` layers; None: none off a GPU, else the fewest
+    the memory model ``plan()`` lets fit (all of the stage's when none does). Both actors choose by it."""
+    if setting is not None:
+        return min(setting, per_stage), None
+    if not on_gpu:
+        return 0, None
+    chosen = plan()
+    return (per_stage if chosen.recompute_layers is None else chosen.recompute_layers), chosen
 
 
 def layer_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2, kernel: str = "flash",

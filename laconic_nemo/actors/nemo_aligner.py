@@ -508,10 +508,7 @@ class NemoAlignerActor:
         c = gpt.config
         if device_gib is None:
             device_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / memory.GIB
-        shape = memory.LayerShape(hidden=c.hidden_size, heads=c.num_attention_heads,
-                                  groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
-                                  ffn=c.ffn_hidden_size, layers=c.num_layers, vocab=int(gpt.vocab_size),
-                                  gated=bool(c.gated_linear_unit))
+        shape = memory.layer_shape_of(c, gpt.vocab_size)
         # megatron's unfused DotProductAttention (the local spec) keeps the [np, s, s] scores; TransformerEngine's
         # flash / fused kernels do not
         core = type(gpt.decoder.layers[0].self_attention.core_attention).__name__
@@ -531,16 +528,14 @@ class NemoAlignerActor:
         (``megatron_gpt_model.py:2108-2153``) reset and restore it from ``cfg.activations_checkpoint_*`` around every
         rollout, so it is set again at every step."""
         from laconic_nemo.actors.megatron_step import set_recompute
+        from laconic_nemo.actors.memory import choose_recompute
 
         gpt = gpt_model(self.model)
         per_stage = len(gpt.decoder.layers)
-        if self.recompute_setting is not None:
-            n = min(self.recompute_setting, per_stage)
-        elif not torch.cuda.is_available():
-            n = 0
-        else:
-            self.memory_plan = self.plan_memory(rows, width, num_micro_batches)
-            n = per_stage if self.memory_plan.recompute_layers is None else self.memory_plan.recompute_layers
+        n, plan = choose_recompute(self.recompute_setting, per_stage, torch.cuda.is_available(),
+                                   lambda: self.plan_memory(rows, width, num_micro_batches))
+        if plan is not None:
+            self.memory_plan = plan
         self.recompute_layers = set_recompute(gpt.decoder.config, n, per_stage)
         return self.recompute_layers
 

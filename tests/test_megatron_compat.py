@@ -54,6 +54,24 @@ def test_every_release_is_recorded_and_the_installed_one_is_one_of_them():
         assert tuple(table) == compat.RELEASES, name
 
 
+def test_every_pinned_release_is_recorded():
+    """pyproject's ``megatron`` extra (one pin per Python range), the ``nemo`` tier's venv and the GPU wheelhouse
+    (which reads the Python >= 3.12 pin) name recorded releases only."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    extra = re.search(r"^megatron = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+    pins = dict(re.findall(r'"megatron-core==([\d.]+); python_version ([<>=]+ \'3\.12\')"', extra))
+    assert set(pins.values()) == {"< '3.12'", ">= '3.12'"} and set(pins) <= set(compat.RELEASES), extra
+    nemo = re.findall(r"megatron-core==([\d.]+)", (root / "containers" / "cpu_nemo_venv.sh").read_text())
+    assert nemo and set(nemo) <= set(compat.RELEASES), nemo
+    script = (root / "scripts" / "gpu_wheelhouse.sh").read_text()
+    line = next(x for x in script.splitlines() if x.startswith("pinned="))
+    read = subprocess.run(["bash", "-c", f'{line}; echo "$pinned"'], cwd=root, capture_output=True, text=True)
+    assert read.stdout.split() == [v for v, rng in pins.items() if rng.startswith(">=")], read
+
+
 @pytest.mark.parametrize("table", list(TABLES))
 def test_the_installed_release_is_where_its_record_says(table):
     """Every cited span of the installed release holds the names recorded for it (a shifted or renamed line

@@ -518,7 +518,7 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention does not support context parallelism; use model.attention=te")
         self.config = config
         self.attn_mask_type = attn_mask_type
-        tp = tensor_parallel_size(pg_collection)  # megatron-core >= 0.16 hands its process groups
+        tp = tensor_parallel_size(pg_collection)  # megatron-core 0.16.1 and 0.19.2 hand their process groups
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         head_dim = config.kv_channels

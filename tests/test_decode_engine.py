@@ -243,27 +243,26 @@ def test_graph_runner_restores_state_around_the_warm_up():
     assert GraphRunner("cpu", enabled=True).capture is False  # never captures off CUDA
 
 
-def test_transformer_engine_spec_layout_contract(monkeypatch):
-    """Contract with megatron-core 0.11's TransformerEngine spec (``gpt_layer_specs.py:136-150``; TE needs a GPU,
-    so its classes are replaced by markers to call the real spec function): the input norm is fused into
+def test_transformer_engine_spec_layout_contract():
+    """Contract with megatron-core's TransformerEngine spec (0.11.0 ``gpt_layer_specs.py:136-150``; 0.16.1 and 0.19.2
+    build it through ``TESpecProvider``: laconic_nemo.runtime.megatron_compat.TE_SPEC_LOOKUP). TE needs a GPU, so
+    its classes are replaced by markers to call the real spec function: the input norm is fused into
     ``linear_qkv`` (``TELayerNormColumnParallelLinear``) and ``input_layernorm`` is left at the layer's
-    ``IdentityOp`` default (``transformer_layer.py:202``); ``pre_mlp_layernorm`` is ``IdentityOp`` for a dense
-    MLP and the norm is fused into ``linear_fc1``. The engine calls ``input_layernorm`` then ``linear_qkv`` and
+    ``IdentityOp`` default (``transformer_layer.py``: 0.11.0 :202, 0.16.1 :224, 0.19.2 :272); ``pre_mlp_layernorm``
+    is ``IdentityOp`` for a dense MLP and the norm is fused into ``linear_fc1``. The engine calls ``input_layernorm`` then ``linear_qkv`` and
     ``pre_mlp_layernorm`` then ``mlp``, so this layout is served by construction; the TE-layout model of
     tests/dist/engine_models.py (tested above and at TP 2) has exactly this structure."""
-    import megatron.core.models.gpt.gpt_layer_specs as specs
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    markers = {n: type(n, (), {}) for n in ("TEColumnParallelLinear", "TEDotProductAttention",
-                                            "TELayerNormColumnParallelLinear", "TENorm", "TERowParallelLinear")}
-    for name, cls in markers.items():
-        monkeypatch.setattr(specs, name, cls, raising=False)
-    monkeypatch.setattr(specs, "is_te_min_version", lambda *a, **k: True)
-    spec = specs.get_gpt_layer_with_transformer_engine_spec()
+    from laconic_nemo.runtime.megatron_compat import TE_SPEC_NAMES, transformer_engine_layer_spec
+
+    markers = {n: type(n, (), {}) for n in TE_SPEC_NAMES}
+    spec = transformer_engine_layer_spec(markers)
     sub = spec.submodules
     assert sub.input_layernorm is IdentityOp and TransformerLayerSubmodules().input_layernorm is IdentityOp
     assert sub.self_attention.submodules.linear_qkv is markers["TELayerNormColumnParallelLinear"]
+    assert sub.self_attention.submodules.core_attention is markers["TEDotProductAttention"]
     assert sub.pre_mlp_layernorm is IdentityOp
     assert sub.mlp.submodules.linear_fc1 is markers["TELayerNormColumnParallelLinear"]
     # the stand-in layout used by the tests

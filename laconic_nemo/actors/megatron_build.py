@@ -16,6 +16,7 @@ import torch
 
 from laconic_nemo.config import ModelConfig
 from laconic_nemo.runtime.kernels import fusion_flags, resolve_attention, rotate_packed_rows, with_core_attention
+from laconic_nemo.runtime.megatron_compat import summed_grads_finalizer
 from laconic_nemo.runtime.megatron_env import ParallelInfo
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -144,7 +145,7 @@ def wrap_model(model_provider: ModelProvider, transformer_config: Any, device: t
                                                use_distributed_optimizer=False)
     transformer_config.calculate_per_token_loss = True
     model = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)]
-    transformer_config.finalize_model_grads_func = lambda chunks, num_tokens=None: finalize_model_grads(chunks, None)
+    transformer_config.finalize_model_grads_func = summed_grads_finalizer(finalize_model_grads)
     transformer_config.no_sync_func = model[0].no_sync
     transformer_config.grad_scale_func = None
     return model

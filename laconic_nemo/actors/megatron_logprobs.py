@@ -68,7 +68,8 @@ def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
         logits32 = logits32.masked_fill(ids >= vocab_size, torch.finfo(logits32.dtype).min)
     if logits32.data_ptr() == logits.data_ptr():
         # float32 logits at temperature 1, nothing masked: megatron's cross entropy subtracts the max and takes the
-        # exp IN PLACE on its input (megatron/core/tensor_parallel/cross_entropy.py:44, 65-66, megatron-core 0.11),
+        # exp IN PLACE on its input (megatron/core/tensor_parallel/cross_entropy.py:45, 64-65 in megatron-core 0.11.0
+        # and 0.16.1, :42, 61-62 in 0.19.2),
         # which would overwrite the model's logits (and the input a checkpointed chunk is recomputed from)
         logits32 = logits32.clone()
     return -tensor_parallel.vocab_parallel_cross_entropy(logits32, labels)

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from laconic_nemo.runtime.megatron_compat import tensor_parallel_size
+
 ATTENTION_CHOICES = ("auto", "local", "sdpa", "te")  # model.attention
 PACKED_KERNELS = ("auto", "dense", "varlen", "flex")  # packed_attention's kernel; auto: choose_packed_kernel
 SAMPLER_CHOICES = ("auto", "exact", "device")  # rollout.sampler; auto: device on GPU, exact on CPU
@@ -491,7 +493,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 class SDPAttention(torch.nn.Module):
     """megatron-core core attention on ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Same constructor and call as ``megatron.core.transformer.dot_product_attention.DotProductAttention``:
+    Same constructor (every release's keywords: :data:`laconic_nemo.runtime.megatron_compat.CORE_ATTENTION_CALL`)
+    and call as ``megatron.core.transformer.dot_product_attention.DotProductAttention``:
     query ``[sq, b, np, hn]``, key / value ``[sk, b, ng, hn]`` (this rank's heads; ``ng`` query groups,
     grouped-query attention handled by the kernel), returns the context ``[sq, b, np * hn]``.
 
@@ -507,16 +510,15 @@ class SDPAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None):
+                 cp_comm_type: str | None = None, pg_collection=None):
         super().__init__()
-        from megatron.core import parallel_state
         from megatron.core.utils import divide
 
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism; use model.attention=te")
         self.config = config
         self.attn_mask_type = attn_mask_type
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = tensor_parallel_size(pg_collection)  # megatron-core 0.16.1 and 0.19.2 hand their process groups
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         head_dim = config.kv_channels

@@ -1,6 +1,6 @@
 """Start-up of megatron-core: CPU patches, torch.distributed and model-parallel initialisation.
 
-megatron-core 0.11 is written for CUDA, but its model, tensor-parallel layers, pipeline schedules and
+megatron-core (0.11.0, 0.16.1) is written for CUDA, but its model, tensor-parallel layers, pipeline schedules and
 plain (non-distributed) optimizer run on CPU over the gloo backend once a handful of hard CUDA calls
 are redirected. :func:`apply_cpu_patches` does exactly that and nothing else; every patch only turns a
 call that would raise without CUDA into its CPU equivalent, so it is a no-op when CUDA is available.
@@ -106,7 +106,7 @@ def cpu_patches_applied() -> bool:
 
 
 def apply_cpu_patches() -> bool:
-    """Make megatron-core 0.11 run on CPU (idempotent). Returns True when patches are active.
+    """Make megatron-core (0.11.0, 0.16.1) run on CPU (idempotent). Returns True when patches are active.
 
     Does nothing (returns False) when CUDA is available. The patches, each confined to a call that
     raises without CUDA:

@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 
 from laconic_nemo.rollout import megatron_sampler
+from laconic_nemo.runtime.megatron_compat import kv_cache_forward
 
 
-def megatron_gather(last: torch.Tensor) -> torch.Tensor:
-    """megatron's own TP gather of the logits, as the actor ran it before the engine. Its torch call
-    (all_gather_into_tensor) is deprecated in torch 2.13: a FutureWarning of this reference, not of the code under
-    test (tests/test_megatron_actor.py records those), so it is not shown."""
-    from megatron.core import tensor_parallel
-
+def gathered_forward(model, tokens, position_ids, mask, cache):
+    """The model's forward over the KV cache ``cache`` with megatron's own TP gather of the logits
+    (``runtime_gather_output``; laconic_nemo.runtime.megatron_compat.kv_cache_forward serves every megatron-core
+    release). The gather's torch call (all_gather_into_tensor) is deprecated in torch 2.13: a FutureWarning of this
+    reference, not of the code under test (tests/test_megatron_actor.py records those), so it is not shown."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return tensor_parallel.gather_from_tensor_model_parallel_region(last)
+        return kv_cache_forward(model, tokens, position_ids, mask, cache)
 
 
 def _loop(step, broadcast, compact, prompts, sampling, sampler, stream, sync_every, device="cpu"):
@@ -55,10 +55,9 @@ def model_reference(model, vocab_size: int, prompts, sampling, sampler: str = "e
         mask = None
         if causal_mask and q > 1:
             mask = torch.ones(q, start + q, dtype=torch.bool).triu(start + 1).expand(b, 1, q, start + q)
-        out = model(tokens, pos, mask, inference_params=params)
+        out = gathered_forward(model, tokens, pos, mask, params)
         params.sequence_len_offset += tokens.shape[1]
-        last = out[:, -1, :].float()
-        return megatron_gather(last)[:, :vocab_size]
+        return out[:, -1, :vocab_size].float()
 
     def do_compact(keep):
         for layer, (k, v) in params.key_value_memory_dict.items():
@@ -90,12 +89,11 @@ def actor_reference(actor, prompts, sampling, sampler: str = "exact", sync_every
 
         def forward_step(data_iterator, model):
             next(data_iterator)
-            out = model(tok, actor.batches.position_ids(*tok.shape, start=start), None, inference_params=params)
+            out = gathered_forward(model, tok, actor.batches.position_ids(*tok.shape, start=start), None, params)
 
             def loss_func(output):
                 last = output[:, -1, :].float()
-                full = megatron_gather(last)
-                box.append(full[:, : actor.vocab_size])
+                box.append(last[:, : actor.vocab_size])
                 return last.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
 
             return out, loss_func

@@ -251,3 +251,63 @@ def test_a_nemo_recipe_that_cannot_fit_is_refused_before_launch(capsys, override
     from laconic_nemo.plan.layout import plan_layout
 
     plan_layout(load_config(DEEPSEEK, overrides), 2, 8, check_paths=False, cluster=False)
+
+
+# ---------------------------------------------------------------------------------------------- log-prob chunks
+def _planned_chunk_tokens(mp: memory.MemoryPlan, vocab: int, tp: int = 1) -> float:
+    """The tokens of the log-prob chunk a plan counts (its float32 workspace: 12 bytes x chunk x V / tp)."""
+    return mp.logprob_gib * memory.GIB / (12 * vocab / tp)
+
+
+@pytest.mark.parametrize("budget", [0, 64])
+def test_the_memory_prediction_counts_the_logprob_chunk_the_actor_computes(mp_state, monkeypatch, budget):
+    """The megatron-core actor's training step on CPU (padded micro-batches of 3 rows with micro_batch_tokens = 0;
+    packs of <= 64 tokens) with log-prob chunks of 5 positions: the largest chunk its loss computes (rows x positions
+    of the logits each chunk's log-softmax is taken over) is the chunk its memory prediction counts. A padded
+    micro-batch's chunk is 5 positions of each of its 3 rows, 15 tokens; a pack's 5 of its one row."""
+    from laconic_nemo.actors import megatron_logprobs
+    from laconic_nemo.actors.megatron_core import MegatronCoreActor
+    from laconic_nemo.bridge import ModelArch
+    from laconic_nemo.bridge.megatron import actor_kwargs
+    from laconic_nemo.grpo.interfaces import TrainBatch
+    from laconic_nemo.grpo.loss import make_grpo_loss_fn
+    from laconic_nemo.runtime.megatron_env import parallel_info
+
+    torch.manual_seed(0)
+    kw = actor_kwargs(ModelArch(**ARCH), 1, 1, cpu=True, dtype=torch.float32, attention="sdpa")
+    actor = MegatronCoreActor(parallel_info(1, 1), **kw, lr=1e-3, micro_batch_size=3, kl_beta=0.0,
+                              micro_batch_tokens=budget, logprob_chunk_size=5)
+    chunks, real = [], megatron_logprobs._chunk_logprobs
+
+    def recorded(logits, *args):
+        chunks.append((logits.shape[0] * logits.shape[1], logits.shape[-1]))
+        return real(logits, *args)
+
+    monkeypatch.setattr(megatron_logprobs, "_chunk_logprobs", recorded)
+    g = torch.Generator().manual_seed(1)
+    n, T = 6, 20
+    prompt, resp = torch.full((n,), 3), torch.randint(10, T - 3 + 1, (n,), generator=g)
+    mask = torch.zeros(n, T - 1)
+    for i in range(n):
+        mask[i, 2 : 2 + int(resp[i])] = 1.0
+    batch = TrainBatch(torch.randint(0, ARCH["vocab_size"], (n, T), generator=g), prompt, resp, mask,
+                       advantages=torch.randn(n, generator=g), old_logprobs=-3.0 * mask)
+    actor.train_step(batch, make_grpo_loss_fn(0.2, 0.28, 0.0, "token_mean", float(mask.sum()), float(n)))
+    assert actor.memory_prediction() is not None
+    computed = max(c for c, _ in chunks)
+    assert computed == (15 if budget == 0 else 5)
+    assert _planned_chunk_tokens(actor.stepper.memory_plan, chunks[0][1]) == pytest.approx(computed, rel=1e-12)
+
+
+@pytest.mark.parametrize("overrides, rows", [(["grpo.micro_batch_tokens=0", "grpo.micro_batch_size=4"], 4),
+                                             (["grpo.micro_batch_tokens=256"], 1)])
+def test_plan_counts_a_padded_micro_batchs_logprob_chunk_over_all_its_rows(overrides, rows):
+    """`plan`'s training memory (the megatron-core actor) with log-prob chunks of 8 positions: 8 positions of each
+    of the 4 rows of a padded micro-batch (32 tokens), of the one row of a pack (8 tokens)."""
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.layout import layer_shape, training_memory
+
+    cfg = load_config(ROOT / "recipes" / "tiny_cpu.yaml", [*overrides, "grpo.logprob_chunk_size=8"])
+    mp, _ = training_memory(cfg, None, 1, 1, 1, 1)
+    assert _planned_chunk_tokens(mp, layer_shape(cfg, None, 1).vocab) == pytest.approx(8 * rows, rel=1e-12)
+

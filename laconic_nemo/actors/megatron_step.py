@@ -66,19 +66,22 @@ class TrainStep:
     def plan_memory(self, tokens: int, seq: int, num_micro_batches: int,
                     device_gib: float | None = None) -> memory.MemoryPlan:
         """:func:`laconic_nemo.actors.memory.plan_memory` for this rank: its parameters, dtype, core attention
-        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``), the device's memory
-        (or ``device_gib``)."""
+        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``; padded: ``tokens /
+        seq`` rows of ``seq``), their log-prob chunks (:func:`laconic_nemo.actors.memory.logprob_chunk_tokens`), the
+        device's memory (or ``device_gib``)."""
         if device_gib is None:
             device_gib = torch.cuda.get_device_properties(self.device).total_memory / memory.GIB
         module = self.weights.module
         core = type(module.decoder.layers[0].self_attention.core_attention).__name__
         kernel = "local" if core == "LocalAttention" else ("dense" if self.device.type != "cuda" else "flash")
+        rows, width = (1, tokens) if self.batches.packed else (max(1, tokens // max(1, seq)), seq)
         return memory.plan_memory(
             self.layer_shape(), tokens, device_gib, tp=self.info.tp_size, pp=self.info.pp_size,
             dtype_bytes=torch.finfo(self.config.params_dtype).bits // 8, kernel=kernel,
             params=sum(p.numel() for p in module.parameters()),
             reference_on_device=self.reference.on_device,
-            num_micro_batches=num_micro_batches, logprob_chunk=self.logprobs.logprob_chunk_size, seq=seq,
+            num_micro_batches=num_micro_batches,
+            logprob_chunk=memory.logprob_chunk_tokens(self.logprobs.logprob_chunk_size, rows, width), seq=seq,
             fused_swiglu=bool(self.config.bias_activation_fusion),
             resident_bytes=memory.live_engine_bytes(self.resident_engine()))  # the engine kept between rollouts
 

@@ -39,7 +39,9 @@ rebuilds the rest while its backward runs (one layer's activations at a time). O
 norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8), the logits ``[s, V/t]`` are kept once (the chunked
 log-probs recompute their float32 softmax, see ``MegatronCoreActor.token_logprobs``) and their gradient plus
 the gradient of the transposed copy exist at the start of backward: ``3 d V / t`` per token; the float32
-workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``.
+workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``, ``chunk`` its tokens: ``grpo.logprob_chunk_size``
+positions of each row of a padded micro-batch (the megatron-core actor), of the one row of a pack
+(:func:`logprob_chunk_tokens`).
 
 tests/test_memory.py checks the per-layer counts against the bytes autograd actually keeps in a forward of
 megatron-core's own GPTModel (``torch.autograd.graph.saved_tensors_hooks``) for the dense and local kernels and
@@ -300,7 +302,7 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
     inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
     ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
     ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.runtime.kernels.fusion_flags`);
-    ``logprob_chunk``: tokens of one log-prob chunk; ``optimizer_shards``: see :func:`static_bytes`;
+    ``logprob_chunk``: tokens of one log-prob chunk (:func:`logprob_chunk_tokens`); ``optimizer_shards``: see :func:`static_bytes`;
     ``resident_bytes``: kept on the device beside training (the decode engine, :func:`engine_bytes`);
     ``remedy``: the keys to change, quoted when nothing fits."""
     L = shape.layers // pp
@@ -342,15 +344,23 @@ def logprob_chunk_positions(chunk_tokens: int, rows: int) -> int:
     return max(1, int(chunk_tokens) // max(1, int(rows)))
 
 
+def logprob_chunk_tokens(positions: int, rows: int, width: int) -> int:
+    """Tokens of the largest log-prob chunk of a micro-batch of ``rows`` rows of ``width`` positions (a pack: one
+    row of its tokens), in chunks of ``positions`` positions
+    (:func:`laconic_nemo.actors.megatron_logprobs.chunked_token_logprobs` cuts the sequence dimension):
+    ``rows x min(positions, width)``."""
+    return max(1, int(rows)) * max(1, min(int(positions), int(width)))
+
+
 def nemo_actor_plan(shape: LayerShape, rows: int, width: int, device_gib: float, tp: int = 1, pp: int = 1,
                     dp: int = 1, dtype_bytes: int = 2, kernel: str = "flash", params: int | None = None,
                     num_micro_batches: int | None = None, logprob_chunk: int = 1024, fused_swiglu: bool = True,
                     resident_bytes: float = 0.0, remedy: str = NEMO_REMEDY) -> MemoryPlan:
     """The NeMo-Aligner actor's training peak for micro-batches of ``rows`` rows of ``width`` tokens (the
     minibatch's width; see the module docstring): :func:`plan_memory` with NeMo's distributed optimiser sharded
-    over ``dp``, log-prob chunks of :func:`logprob_chunk_positions` x ``rows`` tokens, the engine's
+    over ``dp``, log-prob chunks of :func:`logprob_chunk_positions` x ``rows`` tokens (at most the width), the engine's
     ``resident_bytes``."""
-    chunk = logprob_chunk_positions(logprob_chunk, rows) * int(rows)
+    chunk = logprob_chunk_tokens(logprob_chunk_positions(logprob_chunk, rows), rows, width)
     return plan_memory(shape, int(rows) * int(width), device_gib, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                        params=params, reference_on_device=False, num_micro_batches=num_micro_batches,
                        logprob_chunk=chunk, seq=int(width), fused_swiglu=fused_swiglu,

@@ -331,16 +331,19 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, mic
         what = (f"NeMo-Aligner actor, {g.micro_batch_size} rows x {width} tokens (max_prompt_length + "
                 "max_new_tokens)")
     else:
+        # a log-prob chunk is logprob_chunk_size positions of every row: of the one row of a pack, of each padded row
         if g.micro_batch_tokens:
             tokens, what = max(g.micro_batch_tokens, lmax), f"packs of {g.micro_batch_tokens} tokens"
+            chunk = memory.logprob_chunk_tokens(g.logprob_chunk_size, 1, tokens)
         else:
             tokens, what = g.micro_batch_size * lmax, f"{g.micro_batch_size} rows of L_max"
+            chunk = memory.logprob_chunk_tokens(g.logprob_chunk_size, g.micro_batch_size, lmax)
         kernel = "local" if m.attention == "local" else "flash"
         mp = memory.plan_memory(shape, tokens, device, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                                 params=params,
                                 reference_on_device=g.kl_beta > 0 and g.reference_on in ("auto", "device"),
                                 num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
-                                logprob_chunk=g.logprob_chunk_size, seq=lmax,
+                                logprob_chunk=chunk, seq=lmax,
                                 fused_swiglu=True,  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
                                 resident_bytes=resident)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {g.recompute_layers} set"

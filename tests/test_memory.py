@@ -311,3 +311,56 @@ def test_plan_counts_a_padded_micro_batchs_logprob_chunk_over_all_its_rows(overr
     mp, _ = training_memory(cfg, None, 1, 1, 1, 1)
     assert _planned_chunk_tokens(mp, layer_shape(cfg, None, 1).vocab) == pytest.approx(8 * rows, rel=1e-12)
 
+
+# ---------------------------------------------------------------------------------------------- precision, prediction
+def test_plan_counts_fp16_as_two_bytes_for_training_as_for_the_cache():
+    """model.precision = fp16 (NeMo's precision 16 with megatron_amp_O2: 16-bit weights, activations and logits,
+    the NeMo-Aligner actor's ``weight.element_size()`` = 2) plans the training memory and the decode engine's cache
+    of bf16; fp32 counts 4 bytes in both."""
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.layout import plan_layout
+
+    plans = {p: plan_layout(load_config(DEEPSEEK, [f"model.precision={p}"]), 2, 8, check_paths=False, cluster=False)
+             for p in ("bf16", "fp16", "fp32")}
+    assert plans["fp16"].training_memory == plans["bf16"].training_memory
+    assert plans["fp16"].kv_cache_bytes == plans["bf16"].kv_cache_bytes == plans["fp32"].kv_cache_bytes / 2
+    assert plans["fp32"].training_memory != plans["bf16"].training_memory
+    assert [memory.precision_bytes(p) for p in ("fp32", "bf16", "fp16")] == [4, 2, 2]
+    with pytest.raises(ValueError, match="model.precision = 'fp8' is invalid"):
+        memory.precision_bytes("fp8")
+
+
+def test_both_actors_predict_the_out_of_memory_line_by_one_function(monkeypatch):
+    """The prediction the out-of-memory line quotes, of the megatron-core actor's training part and of the
+    NeMo-Aligner actor, comes from ``memory.memory_prediction``: off a GPU with a fixed recompute setting, the plan
+    of the last step's shape for the host's memory (described and broken down); nothing before the first step."""
+    from laconic_nemo.actors.megatron_step import TrainStep
+    from laconic_nemo.actors.nemo_aligner import NemoAlignerActor
+    from laconic_nemo.rollout.kv_cache import device_memory_bytes
+
+    calls = []
+    real = memory.memory_prediction
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "memory_prediction", spy)
+    host = device_memory_bytes(torch.device("cpu")) / memory.GIB
+    megatron = object.__new__(TrainStep)
+    megatron.memory_plan, megatron.last_shape, megatron.device = None, None, torch.device("cpu")
+    megatron.plan_memory = lambda tokens, seq, mbs, device_gib: memory.plan_memory(
+        QWEN_1_5B, tokens, device_gib, seq=seq, num_micro_batches=mbs)
+    nemo = object.__new__(NemoAlignerActor)
+    nemo.memory_plan, nemo._last_shape = None, None
+    nemo.plan_memory = lambda rows, width, mbs, device_gib: memory.nemo_actor_plan(
+        QWEN_1_5B, rows, width, device_gib, dp=16, num_micro_batches=mbs)
+    assert megatron.memory_prediction() is None and nemo.memory_prediction() is None  # before the first step
+    megatron.last_shape, nemo._last_shape = (16384, 4096, 1), (4, 5120, 3)
+    expected = {"megatron": memory.plan_memory(QWEN_1_5B, 16384, host, seq=4096, num_micro_batches=1),
+                "nemo": memory.nemo_actor_plan(QWEN_1_5B, 4, 5120, host, dp=16, num_micro_batches=3)}
+    for name, actor in (("megatron", megatron), ("nemo", nemo)):
+        plan = expected[name]
+        assert actor.memory_prediction() == f"{plan.describe()}; {plan.breakdown()}"
+        assert actor.memory_plan == plan
+    assert calls == [None, None, (16384, 4096, 1), (4, 5120, 3)]

@@ -96,17 +96,11 @@ class TrainStep:
 
     def memory_prediction(self, device_gib: float | None = None) -> str | None:
         """The memory model's prediction for the last training step's micro-batches (None before the first): the
-        plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory."""
-        shape = self.last_shape
-        if self.memory_plan is None and shape is not None:
-            if device_gib is None and self.device.type != "cuda":
-                from laconic_nemo.rollout.kv_cache import device_memory_bytes
-
-                device_gib = device_memory_bytes(self.device) / memory.GIB
-            self.memory_plan = self.plan_memory(*shape, device_gib=device_gib)
-        if self.memory_plan is None:
-            return None
-        return f"{self.memory_plan.describe()}; {self.memory_plan.breakdown()}"
+        plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory
+        (:func:`laconic_nemo.actors.memory.memory_prediction`)."""
+        self.memory_plan, line = memory.memory_prediction(self.memory_plan, self.last_shape, self.plan_memory,
+                                                          self.device, device_gib)
+        return line
 
     def set_recompute(self, layers: int) -> None:
         """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""

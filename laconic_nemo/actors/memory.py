@@ -231,6 +231,18 @@ def live_engine_bytes(engine) -> float:
                         graphs=bool(engine.runner.capture)).total
 
 
+# bytes of one value of a model of each ``model.precision`` (schema.py): weights, activations, logits, KV cache
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def precision_bytes(precision: str) -> int:
+    """Bytes per value at ``model.precision`` (``fp32`` 4, ``bf16`` and ``fp16`` 2): what the memory model counts
+    for the weights, activations and logits and the KV cache alike."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"model.precision = {precision!r} is invalid: allowed one of {', '.join(PRECISION_BYTES)}")
+    return PRECISION_BYTES[precision]
+
+
 MEGATRON_REMEDY = "lower grpo.micro_batch_tokens"
 
 
@@ -331,6 +343,27 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
                       device_gib=float(device_gib), layers_per_stage=L, peaks_gib=[peak(n) / GIB for n in range(L + 1)],
                       resident_gib=resident / GIB, head_gib=logits / GIB, logprob_gib=chunk / GIB,
                       layer_gib=layer / GIB, recomputed_gib=kept / GIB, remedy=remedy)
+
+
+def memory_prediction(plan: MemoryPlan | None, last_shape: tuple | None, make_plan: Callable[..., MemoryPlan],
+                      device: Any, device_gib: float | None = None) -> tuple[MemoryPlan | None, str | None]:
+    """The memory model's prediction for an actor's last training step, which the out-of-memory line quotes
+    (:class:`laconic_nemo.grpo.trainer.TrainingOutOfMemory`); both actors give theirs by it.
+
+    plan: the plan the step's recompute was chosen by (None: a fixed ``grpo.recompute_layers``, or off a GPU);
+    last_shape: the step's micro-batch shape, the arguments of ``make_plan`` (None before the first step);
+    make_plan: the actor's plan for a shape, with ``device_gib=``; device: the actor's torch device: off a GPU,
+    without ``device_gib``, the plan is for the host's memory. Returns the plan (made now when there was none) and
+    its line, ``describe(); breakdown()``; (None, None) before the first step."""
+    if plan is None and last_shape is not None:
+        if device_gib is None and device.type != "cuda":
+            from laconic_nemo.rollout.kv_cache import device_memory_bytes
+
+            device_gib = device_memory_bytes(device) / GIB
+        plan = make_plan(*last_shape, device_gib=device_gib)
+    if plan is None:
+        return None, None
+    return plan, f"{plan.describe()}; {plan.breakdown()}"
 
 
 NEMO_REMEDY = ("lower grpo.micro_batch_size (rows of a micro-batch) or rollout.max_prompt_length + "

@@ -36,9 +36,12 @@ micro-batch's sequence)::
 
 A layer recomputed in backward (``recompute_granularity=full``) keeps only its input, ``d h`` per token, and
 rebuilds the rest while its backward runs (one layer's activations at a time). Outside the layers: the final
-norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8), the logits ``[s, V/t]`` are kept once (the chunked
-log-probs recompute their float32 softmax, see ``MegatronCoreActor.token_logprobs``) and their gradient plus
-the gradient of the transposed copy exist at the start of backward: ``3 d V / t`` per token; the float32
+norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8); of the logits
+``[s, V/t]`` two copies exist at once, ``2 d V / t`` per token: the logits and their gradient while the log-prob
+backward runs (the chunked log-probs keep the logits, not their float32 softmax, and write each chunk's gradient
+into the one gradient, ``megatron_logprobs.ChunkedLogprobs``; a slice of the logits per chunk added a third, a
+zero-filled gradient per chunk), then the gradient and its transposed contiguous copy in the output layer's
+backward (megatron's ``[s, b]`` layout; the logits are freed by then); the float32
 workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``, ``chunk`` its tokens: ``grpo.logprob_chunk_size``
 positions of each row of a padded micro-batch (the megatron-core actor), of the one row of a pack
 (:func:`logprob_chunk_tokens`).
@@ -158,9 +161,10 @@ def recomputed_layer_bytes_per_token(shape: LayerShape, dtype_bytes: int = 2) ->
 
 
 def head_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2) -> float:
-    """Embedding indices, final norm, output layer and the logits with their gradients, per token."""
+    """Embedding indices, final norm, output layer and two logit-sized tensors (the logits and their gradient, or the
+    gradient and its transposed copy), per token."""
     d = dtype_bytes
-    return 8 + d * (3 * shape.hidden + 1) + 3 * d * shape.vocab / tp
+    return 8 + d * (3 * shape.hidden + 1) + 2 * d * shape.vocab / tp
 
 
 def static_bytes(params: int, dtype_bytes: int = 2, reference_on_device: bool = False,

@@ -66,13 +66,13 @@ class ChunkedLogprobs(torch.autograd.Function):
     the one of the per-chunk checkpointed computation, element for element."""
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk, temperature, vocab_size, tp_rank):  # noqa: D102
+    def forward(ctx, logits, labels, chunk, temperature, vocab_size, tp_rank):
         ctx.save_for_backward(logits, labels)
         ctx.settings = (int(chunk), float(temperature), int(vocab_size), int(tp_rank))
         return _chunks_forward(logits, labels, *ctx.settings)
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
+    def backward(ctx, grad_out):
         logits, labels = ctx.saved_tensors
         chunk, temperature, vocab_size, tp_rank = ctx.settings
         grad = torch.empty_like(logits)

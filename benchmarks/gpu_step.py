@@ -37,6 +37,8 @@ megatron-core GPTModel (the actor) and once as the Hugging Face model with the s
    megatron's local one. Every training row also prints the activation memory per micro-batch that
    ``laconic_nemo.actors.memory`` predicts, the recompute setting it picks for the device, and its predicted
    peak for the setting used (on CPU: for an H100 80 GB).
+6. the chunked log-prob backward of both actors: seconds and peak memory before (per-chunk slices of the logits)
+   and after (one gradient buffer), and that their gradients are identical (``benchmarks/logprob_backward.py``).
 
 ``--profile``: at each engine row count, the kernels per decode step (CUDA: ``torch.profiler``, prefill excluded;
 CPU: operators counted at the dispatcher, ``laconic_nemo/rollout/opcount.py``) of the engine's fused step, of the
@@ -633,7 +635,7 @@ def main(argv=None) -> int:
                          "model, all, or a number of layers)")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: rollout,hf,local,local-rollout,engine,deepseek,train,"
-                         "reference")
+                         "reference,logprob")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -783,6 +785,10 @@ def main(argv=None) -> int:
         actor = None
         free()
 
+    if "logprob" not in skip:  # the chunked log-prob backward, before / after (benchmarks/logprob_backward.py)
+        from logprob_backward import rows as logprob_backward_rows
+
+        logprob_backward_rows(device, dtype, add, repeats=3)
     if "deepseek" not in skip:
         schedule_rows(add)
         deepseek_section("tiny-untied" if cpu else "deepseek-1.5b", args, device, dtype, prompt_len, ds_new,

@@ -81,6 +81,17 @@ def test_gpu_step_runs_on_cpu_and_prints_its_table():
     sorted_pad = next(v for k, v in pads.items() if "length-sorted" in k)
     fixed_pad = next(v for k, v in pads.items() if "fixed-width" in k)
     assert sorted_pad < fixed_pad
+    # the chunked log-prob backward before (a slice of the logits per chunk) and after (one gradient buffer): its
+    # time and peak, the same gradient, one allocation of the logits' size against one per chunk (16)
+    lpb = {n.split(",")[0]: r for n, r in zip(names, rows[1:]) if r.startswith("| logprob-backward |")}
+    assert set(lpb) == {"sliced chunks (before)", "one gradient buffer (after)", "gradients before / after"}, lpb
+    assert "| identical |" in lpb["gradients before / after"]
+    peaks = {}
+    for name, allocs in (("sliced chunks (before)", 16), ("one gradient buffer (after)", 1)):
+        m = re.search(r"\| ([\d.]+) s \(([\d.]+) s CPU\), peak ([\d,]+) MiB, (\d+) logit-sized allocations \|", lpb[name])
+        assert m and int(m.group(4)) == allocs, lpb[name]
+        peaks[name] = int(m.group(3).replace(",", ""))
+    assert peaks["one gradient buffer (after)"] < peaks["sliced chunks (before)"]
 
 
 def test_padding_waste_before_and_after_under_15_percent():

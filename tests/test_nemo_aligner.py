@@ -970,6 +970,53 @@ def test_nemo_actor_logprobs_are_chunked_and_equal_float64(gloo_world, cpu_cuda_
     assert torch.allclose(logits, out.detach(), atol=1e-5)  # the training forward's logits (dropout 0)
 
 
+def _loss_object_and_batch(cls, tokens: torch.Tensor, plen: torch.Tensor, rlen: torch.Tensor):
+    """An object of the actor model class ``cls`` (its own functions, no model) with a token-mean GRPO loss and
+    log-prob chunks of 6 tokens, and the batch of ``tokens`` [n, T] (prompt / response lengths ``plen``, ``rlen``,
+    advantages 1, -0.5, 0.25, old log-probs -5) in NeMo's layout with NeMo's causal mask and positions."""
+    from nemo.collections.nlp.modules.common.megatron.utils import get_ltor_masks_and_position_ids
+
+    n, T = tokens.shape
+    mask = response_mask(plen, rlen, T)
+    batch = TrainBatch(tokens, plen, rlen, mask, torch.tensor([1.0, -0.5, 0.25]), torch.full((n, T - 1), -5.0) * mask)
+    obj = object.__new__(cls)
+    obj.laconic_loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
+                                            global_num_tokens=float(mask.sum()), global_num_seqs=float(n))
+    obj.laconic_logprob_chunk = 6
+    obj._laconic_metric_sums = torch.zeros(len(na.LOSS_METRICS), dtype=torch.float64)
+    d = na.train_batch_to_nemo(batch)
+    att, _, pos = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
+    d["attention_mask"], d["position_ids"] = att.expand(n, -1, -1, -1), pos.expand(n, -1)
+    return obj, d
+
+
+@pytest.mark.nemo
+@nemo_skip
+def test_nemo_actor_loss_backward_allocates_one_logit_sized_gradient(gloo_world, cpu_cuda_shims, monkeypatch,
+                                                                      tmp_path):
+    """The NeMo-Aligner actor's loss (``get_actor_forward_output_and_loss_func``, a real NeMo ``MegatronGPTModel``,
+    fp32, CPU) over log-prob chunks of 2 positions (6 tokens over 3 rows: 6 chunks of 11 positions): its backward to
+    the ``[b, s, V]`` logits allocates one tensor of their size, their gradient (the host allocator's events,
+    ``laconic_nemo.runtime.host_memory``). Each chunk sliced out of the logits allocated a zero-filled one in
+    backward (6), beside that gradient."""
+    from laconic_nemo.runtime.host_memory import host_allocations
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    torch.manual_seed(0)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=2, kv_heads=2))
+    _no_cuda_rng_tracker(monkeypatch)
+    gpt = model.model.train()
+    cls = na.actor_model_class()
+    tokens = torch.randint(0, gpt.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    obj, d = _loss_object_and_batch(cls, tokens, torch.tensor([2, 3, 2]), torch.tensor([6, 8, 9]))
+    out, loss_func = cls.get_actor_forward_output_and_loss_func(obj)(iter([d]), gpt)
+    scaled, _ = loss_func(out)
+    with host_allocations() as trace:
+        (grad,) = torch.autograd.grad(scaled, out)
+    assert grad.shape == out.shape and grad.abs().max() > 0
+    assert trace.count_at_least(out.nbytes) == 1, (out.nbytes, [c for c in trace.changes if c >= out.nbytes])
+
+
 @pytest.mark.nemo
 @nemo_skip
 def test_nemo_actor_loss_reads_the_16_bit_logits_inside_float16module(gloo_world, cpu_cuda_shims, monkeypatch,
@@ -996,17 +1043,8 @@ def test_nemo_actor_loss_reads_the_16_bit_logits_inside_float16module(gloo_world
     tokens = torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(3))
     att, _, pos = get_ltor_masks_and_position_ids(tokens, -1, False, False, False)
     assert wrapped(tokens, pos.expand(n, -1), att.expand(n, -1, -1, -1)).dtype == torch.float32  # the wrapper's copy
-    plen, rlen = torch.tensor([2, 3, 2]), torch.tensor([5, 6, 7])
-    mask = response_mask(plen, rlen, T)
-    batch = TrainBatch(tokens, plen, rlen, mask, torch.tensor([1.0, -0.5, 0.25]), torch.full((n, T - 1), -5.0) * mask)
     cls = na.actor_model_class()
-    obj = object.__new__(cls)
-    obj.laconic_loss_fn = make_grpo_loss_fn(clip_eps=0.2, kl_beta=0.0, aggregation="token_mean",
-                                            global_num_tokens=float(mask.sum()), global_num_seqs=float(n))
-    obj.laconic_logprob_chunk = 6
-    obj._laconic_metric_sums = torch.zeros(len(na.LOSS_METRICS), dtype=torch.float64)
-    d = na.train_batch_to_nemo(batch)
-    d["attention_mask"], d["position_ids"] = att.expand(n, -1, -1, -1), pos.expand(n, -1)
+    obj, d = _loss_object_and_batch(cls, tokens, torch.tensor([2, 3, 2]), torch.tensor([5, 6, 7]))
 
     def forward_and_loss():
         out, loss_func = cls.get_actor_forward_output_and_loss_func(obj)(iter([d]), wrapped)

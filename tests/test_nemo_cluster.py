@@ -333,6 +333,40 @@ def test_entry_stops_with_status_3_on_a_signal_during_start_up(tmp_path, sig):
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+def _start_two_ranks(monkeypatch, tmp_path: Path, out: Path, env: dict[str, str], *overrides: str) -> list:
+    """Two ranks of the NeMo entry point over gloo (tests/dist/nemo_entry_rank.py: NeMo's and NeMo-Aligner's own
+    start-up on CPU), a ``model.source: nemo`` recipe on a real tiny .nemo (a distributed checkpoint, so its
+    ``load_from_nemo`` creates the process groups), ``env`` and ``overrides`` added; stdout and stderr merged."""
+    from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
+
+    from laconic_nemo.runtime.megatron_env import free_port
+    from tests.hf_fixtures import save_tiny_qwen2
+
+    _torch_dist_writer_for_this_torch(monkeypatch)
+    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1))
+    model._save_restore_connector = NLPSaveRestoreConnector()
+    model.save_to(str(tmp_path / "tiny.nemo"))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    args = [str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml"), f"model.path={tmp_path / 'tiny.nemo'}",
+            f"data.train_files=[{data}]", f"run.output_dir={out}", "grpo.num_prompts_per_step=2",
+            "grpo.group_size=2", "grpo.minibatch_size=4", "grpo.micro_batch_size=1", "rollout.max_new_tokens=8",
+            "laconic.budget=4", "reward.num_workers=1", "logging.tensorboard=false",
+            "nemo.trainer.accelerator=cpu", "nemo.trainer.devices=2", "nemo.trainer.precision=32",
+            "nemo.model.precision=32", "nemo.model.megatron_amp_O2=false",
+            "nemo.model.gradient_as_bucket_view=true", *overrides]  # in NeMo's megatron_qwen2_config.yaml, not the .nemo
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        rank_env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1", **env}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist" / "nemo_entry_rank.py"), *args],
+                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
 @pytest.mark.nemo
 @pytest.mark.slow
 @nemo_skip
@@ -347,34 +381,8 @@ def test_two_ranks_stop_with_status_3_on_a_signal_during_the_nemo_start_up(monke
     (``nemo_aligner/utils/train_script_utils.py:105-125``) calls the ``on_fit_start`` hooks, not ``on_train_start``
     where NeMo's PreemptionCallback installs its SIGTERM handler (``nemo/utils/callbacks/preemption.py:48-77``), and
     never ``Trainer._run``, where Lightning registers its own (``lightning/pytorch/trainer/trainer.py:976``)."""
-    from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
-
-    from laconic_nemo.runtime.megatron_env import free_port
-    from tests.hf_fixtures import save_tiny_qwen2
-
-    _torch_dist_writer_for_this_torch(monkeypatch)
-    model = _nemo_gpt_model(monkeypatch, save_tiny_qwen2(tmp_path / "hf", hidden=32, layers=1))
-    model._save_restore_connector = NLPSaveRestoreConnector()
-    model.save_to(str(tmp_path / "tiny.nemo"))
-    data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(4)))
     out = tmp_path / "run"
-    args = [str(ROOT / "recipes" / "deepseek_1.5b_b1500.yaml"), f"model.path={tmp_path / 'tiny.nemo'}",
-            f"data.train_files=[{data}]", f"run.output_dir={out}", "grpo.num_prompts_per_step=2",
-            "grpo.group_size=2", "grpo.minibatch_size=4", "grpo.micro_batch_size=1", "rollout.max_new_tokens=8",
-            "laconic.budget=4", "reward.num_workers=1", "logging.tensorboard=false",
-            "nemo.trainer.accelerator=cpu", "nemo.trainer.devices=2", "nemo.trainer.precision=32",
-            "nemo.model.precision=32", "nemo.model.megatron_amp_O2=false",
-            "nemo.model.gradient_as_bucket_view=true"]  # in NeMo's megatron_qwen2_config.yaml, not in this .nemo
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SIGNAL_RANK": "1",
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist" / "nemo_entry_rank.py"), *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = _start_two_ranks(monkeypatch, tmp_path, out, {"SIGNAL_RANK": "1"})
     outputs = []
     try:
         for p in procs:
@@ -389,6 +397,47 @@ def test_two_ranks_stop_with_status_3_on_a_signal_during_the_nemo_start_up(monke
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]  # rank 1 went on after its signal
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists() and not (out / "run.lock").exists()
 
+
+COLLECTIVE_TIMEOUT_S = 30.0  # parallel.collective_timeout_s of the test (the recipe's default is 600 s)
+
+
+@pytest.mark.nemo
+@pytest.mark.slow
+@nemo_skip
+@pytest.mark.usefixtures("gloo_world", "cpu_cuda_shims")
+def test_a_stopped_rank_ends_the_nemo_job_within_the_collective_timeout(monkeypatch, tmp_path):
+    """Two ranks of the NeMo entry point with ``parallel.collective_timeout_s = 30``. Once the process groups exist
+    (created inside NeMo's ``load_from_nemo`` for this distributed checkpoint, by Lightning's ``DDPStrategy`` and
+    NeMo's ``init_model_parallel``), rank 1 stops inside the collective it was to join (SIGSTOP: its connections
+    stay open, as a dead rank's do under NCCL) and rank 0 waits in an all-reduce on megatron's data-parallel group,
+    then on the default group. Each fails after the recipe's 30 s, not after Lightning's default of 30 minutes
+    (``set_collective_timeout``), and rank 0 exits with a failure within two timeouts; rank 1 is then killed, as
+    ``srun --kill-on-bad-exit`` does. Before the timeout reached NeMo's strategy, rank 0 waited 30 minutes in the
+    first collective (the hang guard of this test)."""
+    out = tmp_path / "run"
+    procs = _start_two_ranks(monkeypatch, tmp_path, out, {"STOP_RANK": "1"},
+                             f"parallel.collective_timeout_s={COLLECTIVE_TIMEOUT_S}")
+    try:
+        text = procs[0].communicate(timeout=HANG_GUARD_S)[0]
+        stopped = open(f"/proc/{procs[1].pid}/stat").read().split(")")[-1].split()[0]  # process state of rank 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        rest = procs[1].communicate()[0]
+    assert stopped == "T", (stopped, rest[-2000:])  # rank 1 was stopped, not ended, until rank 0 ended
+    assert procs[0].returncode not in (0, None), text[-3000:]
+    waited = {}
+    for line in text.splitlines():
+        if line.startswith("collective on the "):
+            group, how, seconds = line.split()[3], line.split()[5], float(line.split()[-2])
+            assert how == "failed", line
+            waited[group] = seconds
+    assert set(waited) == {"data-parallel", "default"}, text[-3000:]
+    for group, seconds in waited.items():
+        # the recipe's timeout (gloo reports a little later, under load), far from 30 minutes
+        assert COLLECTIVE_TIMEOUT_S - 1 <= seconds <= COLLECTIVE_TIMEOUT_S + 60, (group, seconds)
+    assert "Timed out" in text or "timed out" in text, text[-3000:]
 
 @pytest.mark.nemo
 @nemo_skip

@@ -39,8 +39,10 @@ def mp_state():
 #                                passes none); no head-count check (the kernel takes Hq a multiple of Hkv)
 #   2.11.0  varlen.py:159-171  (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1)); causal is
 #                                ``window_size == (-1, 0)`` (:237, a tuple comparison: a list would not be causal)
-#   2.13.0  varlen.py:176-192  (..., window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-#                                num_splits=None); Hq != Hkv without enable_gqa raises (:295-300); causal at :307
+#   2.12.0, 2.12.1  varlen.py:185-201 (the two releases' varlen.py are the same file): (..., window_size=(-1, -1),
+#                                enable_gqa=False, seqused_k=None, block_table=None, num_splits=None); Hq != Hkv
+#                                without enable_gqa raises (:304-309); causal at :316
+#   2.13.0  varlen.py:176-192  the 2.12 form; Hq != Hkv without enable_gqa raises (:295-300); causal at :307
 #   main    pytorch/pytorch 000459dc (a snapshot of main), def varlen_attn: the 2.11 form plus k_cache, v_cache,
 #                                cache_seqlens, cache_batch_idx, page_table, seqused_k; causal ``window_size == (-1, 0)``
 def sig_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
@@ -52,10 +54,10 @@ def sig_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, gqa=True)
 
 
-def sig_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+def sig_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
              window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     if not enable_gqa and query.size(1) != key.size(1):
-        raise ValueError("Expect query and key/value to have the same number of heads (stand-in of varlen.py:295)")
+        raise ValueError("Expect query and key/value to have the same number of heads (stand-in of 2.12 varlen.py:304, 2.13 :295)")
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, gqa=True)
 
 
@@ -85,7 +87,7 @@ def _dense_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, gq
 
 STANDINS = {"2.10": (sig_2_10, VarlenForm("is_causal", False, False)),
             "2.11": (sig_2_11, VarlenForm("window_size", True, False)),
-            "2.13": (sig_2_13, VarlenForm("window_size", True, True)),
+            "2.12": (sig_2_12, VarlenForm("window_size", True, True)),  # 2.12 on (2.13 too)
             "main": (sig_main, VarlenForm("window_size", True, False))}
 
 
@@ -98,11 +100,23 @@ def test_installed_varlen_attn_is_a_cited_form():
     release = next((r for r, params in cited.items() if params == names), None)
     assert release is not None, f"varlen_attn{inspect.signature(fn)} is none of the cited forms {cited}"
     assert varlen_form(fn) == STANDINS[release][1]
-    if torch.__version__.startswith("2.13."):
-        assert release == "2.13"
+    if torch.__version__.startswith(("2.12.", "2.13.")):
+        assert release == "2.12"
     # keyword-only from 2.11 on: the adapter passes everything past max_k by keyword
     kinds = inspect.signature(fn).parameters
     assert all(kinds[n].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for n in kernels.VARLEN_HEAD)
+
+
+def test_the_kernels_docs_name_the_first_release_with_enable_gqa():
+    """``enable_gqa=`` and the head-count check arrive with the 2.12 signature (torch 2.12.0 and 2.12.1
+    ``varlen.py:197`` and ``:304``; 2.11.0 has neither): the first cited release whose form takes it is the one
+    ``VarlenForm``'s docstring names, with its lines."""
+    releases = sorted((r for r in STANDINS if r != "main"), key=lambda r: tuple(map(int, r.split("."))))
+    first = next(r for r in releases if STANDINS[r][1].enable_gqa)
+    assert first == "2.12"
+    doc = " ".join(kernels.VarlenForm.__doc__.split())
+    assert f"refuses fewer key-value heads without it ({first} on;" in doc, doc
+    assert "2.12.0 and 2.12.1 ``:185-201``, the head check ``:304-314``, causal ``:316``" in doc, doc
 
 
 def test_varlen_form_by_signature_not_version():
@@ -290,7 +304,7 @@ def _watched_params(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("release", ["2.10", "2.13"])
+@pytest.mark.parametrize("release", ["2.10", "2.12"])
 def test_gpu_packed_path_never_compiles_nor_reads_cu_seqlens_on_the_host(mp_state, monkeypatch, release):
     """Log-probs and a training step over packs of several sizes through the kernel a GPU chooses (varlen_attn,
     here a stand-in of the release's signature on the dense reference): no torch.compile, no create_block_mask,

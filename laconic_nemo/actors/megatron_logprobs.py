@@ -37,21 +37,53 @@ def chunked_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk: in
 
     Computed in sequence chunks of ``chunk`` positions (``b x chunk`` tokens), so at most one chunk's float32 copy
     of the logits exists at a time; with autograd on, each chunk is recomputed in backward (activation
-    checkpointing) instead of keeping its float32 softmax. Both actors take their log-probs here: the megatron-core
-    actor over its GPTModel's logits, the NeMo-Aligner actor over the same GPTModel's (inside NeMo's
-    ``MegatronGPTModel``)."""
-    s = logits.shape[1]
-    if s <= chunk:
+    checkpointing) instead of keeping its float32 softmax, and its gradient [b, chunk, V/tp] is written into one
+    gradient of the logits' size (:class:`ChunkedLogprobs`), not added into it through a zero-filled tensor of the
+    whole logits per chunk (the backward of a slice ``logits[:, a:a + chunk]``). Both actors take their log-probs
+    here: the megatron-core actor over its GPTModel's logits, the NeMo-Aligner actor over the same GPTModel's
+    (inside NeMo's ``MegatronGPTModel``)."""
+    if logits.shape[1] <= chunk:
         return _chunk_logprobs(logits, labels, temperature, vocab_size, tp_rank)
-    parts = []
-    for a in range(0, s, chunk):
-        lg, lb = logits[:, a : a + chunk], labels[:, a : a + chunk]
-        if torch.is_grad_enabled() and lg.requires_grad:
-            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, lg, lb, temperature, vocab_size, tp_rank,
-                                                           use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(lg, lb, temperature, vocab_size, tp_rank))
-    return torch.cat(parts, dim=1)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return ChunkedLogprobs.apply(logits, labels, chunk, temperature, vocab_size, tp_rank)
+    return _chunks_forward(logits, labels, chunk, temperature, vocab_size, tp_rank)
+
+
+def _chunks_forward(logits: torch.Tensor, labels: torch.Tensor, chunk: int, temperature: float, vocab_size: int,
+                    tp_rank: int) -> torch.Tensor:
+    """log p(labels) [b, s] float32 chunk by chunk (``chunk`` positions at a time), without autograd's record."""
+    out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+    for a in range(0, logits.shape[1], chunk):
+        out[:, a : a + chunk] = _chunk_logprobs(logits[:, a : a + chunk], labels[:, a : a + chunk], temperature,
+                                                vocab_size, tp_rank)
+    return out
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """The log-probs of :func:`chunked_token_logprobs` with autograd: forward chunk by chunk without keeping
+    anything but the logits [b, s, V/tp] and labels [b, s]; backward recomputes one chunk at a time and writes its
+    gradient into the logits' gradient (one tensor of the logits' shape and dtype, allocated once). The gradient is
+    the one of the per-chunk checkpointed computation, element for element."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk, temperature, vocab_size, tp_rank):
+        ctx.save_for_backward(logits, labels)
+        ctx.settings = (int(chunk), float(temperature), int(vocab_size), int(tp_rank))
+        return _chunks_forward(logits, labels, *ctx.settings)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels = ctx.saved_tensors
+        chunk, temperature, vocab_size, tp_rank = ctx.settings
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[1], chunk):
+            with torch.enable_grad():
+                piece = logits[:, a : a + chunk].detach().requires_grad_(True)
+                logp = _chunk_logprobs(piece, labels[:, a : a + chunk], temperature, vocab_size, tp_rank)
+            (g,) = torch.autograd.grad(logp, piece, grad_out[:, a : a + chunk])
+            grad[:, a : a + chunk] = g
+            del g, logp, piece
+        return grad, None, None, None, None, None
 
 
 def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,

@@ -66,19 +66,22 @@ class TrainStep:
     def plan_memory(self, tokens: int, seq: int, num_micro_batches: int,
                     device_gib: float | None = None) -> memory.MemoryPlan:
         """:func:`laconic_nemo.actors.memory.plan_memory` for this rank: its parameters, dtype, core attention
-        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``), the device's memory
-        (or ``device_gib``)."""
+        and reference placement, micro-batches of ``tokens`` tokens (longest sequence ``seq``; padded: ``tokens /
+        seq`` rows of ``seq``), their log-prob chunks (:func:`laconic_nemo.actors.memory.logprob_chunk_tokens`), the
+        device's memory (or ``device_gib``)."""
         if device_gib is None:
             device_gib = torch.cuda.get_device_properties(self.device).total_memory / memory.GIB
         module = self.weights.module
         core = type(module.decoder.layers[0].self_attention.core_attention).__name__
         kernel = "local" if core == "LocalAttention" else ("dense" if self.device.type != "cuda" else "flash")
+        rows, width = (1, tokens) if self.batches.packed else (max(1, tokens // max(1, seq)), seq)
         return memory.plan_memory(
             self.layer_shape(), tokens, device_gib, tp=self.info.tp_size, pp=self.info.pp_size,
             dtype_bytes=torch.finfo(self.config.params_dtype).bits // 8, kernel=kernel,
             params=sum(p.numel() for p in module.parameters()),
             reference_on_device=self.reference.on_device,
-            num_micro_batches=num_micro_batches, logprob_chunk=self.logprobs.logprob_chunk_size, seq=seq,
+            num_micro_batches=num_micro_batches,
+            logprob_chunk=memory.logprob_chunk_tokens(self.logprobs.logprob_chunk_size, rows, width), seq=seq,
             fused_swiglu=bool(self.config.bias_activation_fusion),
             resident_bytes=memory.live_engine_bytes(self.resident_engine()))  # the engine kept between rollouts
 
@@ -93,17 +96,11 @@ class TrainStep:
 
     def memory_prediction(self, device_gib: float | None = None) -> str | None:
         """The memory model's prediction for the last training step's micro-batches (None before the first): the
-        plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory."""
-        shape = self.last_shape
-        if self.memory_plan is None and shape is not None:
-            if device_gib is None and self.device.type != "cuda":
-                from laconic_nemo.rollout.kv_cache import device_memory_bytes
-
-                device_gib = device_memory_bytes(self.device) / memory.GIB
-            self.memory_plan = self.plan_memory(*shape, device_gib=device_gib)
-        if self.memory_plan is None:
-            return None
-        return f"{self.memory_plan.describe()}; {self.memory_plan.breakdown()}"
+        plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory
+        (:func:`laconic_nemo.actors.memory.memory_prediction`)."""
+        self.memory_plan, line = memory.memory_prediction(self.memory_plan, self.last_shape, self.plan_memory,
+                                                          self.device, device_gib)
+        return line
 
     def set_recompute(self, layers: int) -> None:
         """Full activation recompute of the first ``layers`` layers of every pipeline stage (:func:`set_recompute`)."""

@@ -36,10 +36,15 @@ micro-batch's sequence)::
 
 A layer recomputed in backward (``recompute_granularity=full``) keeps only its input, ``d h`` per token, and
 rebuilds the rest while its backward runs (one layer's activations at a time). Outside the layers: the final
-norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8), the logits ``[s, V/t]`` are kept once (the chunked
-log-probs recompute their float32 softmax, see ``MegatronCoreActor.token_logprobs``) and their gradient plus
-the gradient of the transposed copy exist at the start of backward: ``3 d V / t`` per token; the float32
-workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``.
+norm and the output layer keep ``d (3 h + 1)`` per token (the embedding its int64 indices, 8); of the logits
+``[s, V/t]`` two copies exist at once, ``2 d V / t`` per token: the logits and their gradient while the log-prob
+backward runs (the chunked log-probs keep the logits, not their float32 softmax, and write each chunk's gradient
+into the one gradient, ``megatron_logprobs.ChunkedLogprobs``; a slice of the logits per chunk added a third, a
+zero-filled gradient per chunk), then the gradient and its transposed contiguous copy in the output layer's
+backward (megatron's ``[s, b]`` layout; the logits are freed by then); the float32
+workspace of one log-prob chunk is ``3 x 4 x chunk x V / t``, ``chunk`` its tokens: ``grpo.logprob_chunk_size``
+positions of each row of a padded micro-batch (the megatron-core actor), of the one row of a pack
+(:func:`logprob_chunk_tokens`).
 
 tests/test_memory.py checks the per-layer counts against the bytes autograd actually keeps in a forward of
 megatron-core's own GPTModel (``torch.autograd.graph.saved_tensors_hooks``) for the dense and local kernels and
@@ -156,9 +161,10 @@ def recomputed_layer_bytes_per_token(shape: LayerShape, dtype_bytes: int = 2) ->
 
 
 def head_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2) -> float:
-    """Embedding indices, final norm, output layer and the logits with their gradients, per token."""
+    """Embedding indices, final norm, output layer and two logit-sized tensors (the logits and their gradient, or the
+    gradient and its transposed copy), per token."""
     d = dtype_bytes
-    return 8 + d * (3 * shape.hidden + 1) + 3 * d * shape.vocab / tp
+    return 8 + d * (3 * shape.hidden + 1) + 2 * d * shape.vocab / tp
 
 
 def static_bytes(params: int, dtype_bytes: int = 2, reference_on_device: bool = False,
@@ -227,6 +233,18 @@ def live_engine_bytes(engine) -> float:
     itemsize = s.nbytes // max(1, s.numel)
     return engine_bytes(s.nbytes, s.rows, s.positions, engine.vocab_size, engine.hidden, dtype_bytes=itemsize,
                         graphs=bool(engine.runner.capture)).total
+
+
+# bytes of one value of a model of each ``model.precision`` (schema.py): weights, activations, logits, KV cache
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def precision_bytes(precision: str) -> int:
+    """Bytes per value at ``model.precision`` (``fp32`` 4, ``bf16`` and ``fp16`` 2): what the memory model counts
+    for the weights, activations and logits and the KV cache alike."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"model.precision = {precision!r} is invalid: allowed one of {', '.join(PRECISION_BYTES)}")
+    return PRECISION_BYTES[precision]
 
 
 MEGATRON_REMEDY = "lower grpo.micro_batch_tokens"
@@ -300,7 +318,7 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
     inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
     ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
     ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.runtime.kernels.fusion_flags`);
-    ``logprob_chunk``: tokens of one log-prob chunk; ``optimizer_shards``: see :func:`static_bytes`;
+    ``logprob_chunk``: tokens of one log-prob chunk (:func:`logprob_chunk_tokens`); ``optimizer_shards``: see :func:`static_bytes`;
     ``resident_bytes``: kept on the device beside training (the decode engine, :func:`engine_bytes`);
     ``remedy``: the keys to change, quoted when nothing fits."""
     L = shape.layers // pp
@@ -331,6 +349,27 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
                       layer_gib=layer / GIB, recomputed_gib=kept / GIB, remedy=remedy)
 
 
+def memory_prediction(plan: MemoryPlan | None, last_shape: tuple | None, make_plan: Callable[..., MemoryPlan],
+                      device: Any, device_gib: float | None = None) -> tuple[MemoryPlan | None, str | None]:
+    """The memory model's prediction for an actor's last training step, which the out-of-memory line quotes
+    (:class:`laconic_nemo.grpo.trainer.TrainingOutOfMemory`); both actors give theirs by it.
+
+    plan: the plan the step's recompute was chosen by (None: a fixed ``grpo.recompute_layers``, or off a GPU);
+    last_shape: the step's micro-batch shape, the arguments of ``make_plan`` (None before the first step);
+    make_plan: the actor's plan for a shape, with ``device_gib=``; device: the actor's torch device: off a GPU,
+    without ``device_gib``, the plan is for the host's memory. Returns the plan (made now when there was none) and
+    its line, ``describe(); breakdown()``; (None, None) before the first step."""
+    if plan is None and last_shape is not None:
+        if device_gib is None and device.type != "cuda":
+            from laconic_nemo.rollout.kv_cache import device_memory_bytes
+
+            device_gib = device_memory_bytes(device) / GIB
+        plan = make_plan(*last_shape, device_gib=device_gib)
+    if plan is None:
+        return None, None
+    return plan, f"{plan.describe()}; {plan.breakdown()}"
+
+
 NEMO_REMEDY = ("lower grpo.micro_batch_size (rows of a micro-batch) or rollout.max_prompt_length + "
                "rollout.max_new_tokens (its width), or free the decode engine for training "
                "(rollout.engine_memory = release)")
@@ -342,15 +381,23 @@ def logprob_chunk_positions(chunk_tokens: int, rows: int) -> int:
     return max(1, int(chunk_tokens) // max(1, int(rows)))
 
 
+def logprob_chunk_tokens(positions: int, rows: int, width: int) -> int:
+    """Tokens of the largest log-prob chunk of a micro-batch of ``rows`` rows of ``width`` positions (a pack: one
+    row of its tokens), in chunks of ``positions`` positions
+    (:func:`laconic_nemo.actors.megatron_logprobs.chunked_token_logprobs` cuts the sequence dimension):
+    ``rows x min(positions, width)``."""
+    return max(1, int(rows)) * max(1, min(int(positions), int(width)))
+
+
 def nemo_actor_plan(shape: LayerShape, rows: int, width: int, device_gib: float, tp: int = 1, pp: int = 1,
                     dp: int = 1, dtype_bytes: int = 2, kernel: str = "flash", params: int | None = None,
                     num_micro_batches: int | None = None, logprob_chunk: int = 1024, fused_swiglu: bool = True,
                     resident_bytes: float = 0.0, remedy: str = NEMO_REMEDY) -> MemoryPlan:
     """The NeMo-Aligner actor's training peak for micro-batches of ``rows`` rows of ``width`` tokens (the
     minibatch's width; see the module docstring): :func:`plan_memory` with NeMo's distributed optimiser sharded
-    over ``dp``, log-prob chunks of :func:`logprob_chunk_positions` x ``rows`` tokens, the engine's
+    over ``dp``, log-prob chunks of :func:`logprob_chunk_positions` x ``rows`` tokens (at most the width), the engine's
     ``resident_bytes``."""
-    chunk = logprob_chunk_positions(logprob_chunk, rows) * int(rows)
+    chunk = logprob_chunk_tokens(logprob_chunk_positions(logprob_chunk, rows), rows, width)
     return plan_memory(shape, int(rows) * int(width), device_gib, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                        params=params, reference_on_device=False, num_micro_batches=num_micro_batches,
                        logprob_chunk=chunk, seq=int(width), fused_swiglu=fused_swiglu,

@@ -541,16 +541,14 @@ class NemoAlignerActor:
 
     def memory_prediction(self, device_gib: float | None = None) -> str | None:
         """The memory model's prediction for the last training step's micro-batches (None before the first):
-        the plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory."""
-        if self.memory_plan is None and self._last_shape is not None:
-            if device_gib is None and not torch.cuda.is_available():
-                from laconic_nemo.rollout.kv_cache import device_memory_bytes
+        the plan the recompute was chosen by, or (a fixed setting, CPU) the plan for the device's memory
+        (:func:`laconic_nemo.actors.memory.memory_prediction`)."""
+        from laconic_nemo.actors import memory
 
-                device_gib = device_memory_bytes(torch.device("cpu")) / 2**30
-            self.memory_plan = self.plan_memory(*self._last_shape, device_gib=device_gib)
-        if self.memory_plan is None:
-            return None
-        return f"{self.memory_plan.describe()}; {self.memory_plan.breakdown()}"
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.memory_plan, line = memory.memory_prediction(self.memory_plan, self._last_shape, self.plan_memory,
+                                                          device, device_gib)
+        return line
 
     # ------------------------------------------------------------------ policy update
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:

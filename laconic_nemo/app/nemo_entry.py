@@ -250,6 +250,35 @@ def resume_step(cfg: Config) -> int:
     return 0 if found is None else int(read_trainer_state(found)["step"])
 
 
+def set_collective_timeout(strategy, seconds: float) -> None:
+    """Every process group of the NeMo path waits at most ``seconds`` (``parallel.collective_timeout_s``) in a
+    collective, as the megatron-core path's do (:func:`laconic_nemo.runtime.megatron_env.init_distributed`).
+
+    NeMo-Aligner's trainer (``resolve_and_create_trainer`` -> NeMo 2.2.1's ``MegatronTrainerBuilder._training_strategy``,
+    ``nemo/collections/nlp/parts/megatron_trainer_builder.py:88-95``) builds its ``NLPDDPStrategy`` without a
+    ``timeout``, so Lightning 2.4.0's default stood: torch's ``default_pg_timeout``, 30 minutes
+    (``lightning/pytorch/strategies/ddp.py:83, 104``, ``lightning/fabric/plugins/collectives/torch_collective.py:12-15``). That one value makes both kinds of group:
+    the default group (``DDPStrategy.setup_distributed``, ``ddp.py:197-203``: ``init_process_group(...,
+    timeout=self._timeout)``) and megatron's groups (``NLPDDPStrategy.setup_distributed``,
+    ``nemo/collections/nlp/parts/nlp_overrides.py:259-273`` -> ``init_model_parallel`` ``:143-172`` ->
+    ``initialize_model_parallel(distributed_timeout_minutes=...)``, megatron-core 0.11 ``parallel_state.py:751``
+    and every ``create_group(..., timeout=timeout)`` after it). Both are created in ``strategy.setup_environment``,
+    from NeMo-Aligner's ``init_distributed`` (``nemo_aligner/utils/train_script_utils.py:70-83``) or earlier, from
+    ``load_from_nemo`` for a distributed checkpoint (``nlp_overrides.py:1364-1372``): hence set on the strategy as
+    soon as the trainer exists. Raises before any group exists, or when the strategy has no such setting."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not hasattr(strategy, "_timeout"):
+        raise TypeError(f"{type(strategy).__name__} has no collective timeout (Lightning's DDPStrategy timeout) to "
+                        f"set parallel.collective_timeout_s = {seconds} on")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("parallel.collective_timeout_s must be set on the NeMo trainer before its process groups "
+                           "are created")
+    strategy._timeout = timedelta(seconds=float(seconds))
+
+
 def nemo_resume_path(cfg: Config) -> str | None:
     """The NeMo checkpoint folder the trainer's resume checkpoint refers to (None: fresh start).
 
@@ -302,6 +331,7 @@ def train_nemo(cfg: Config, nemo_overrides: list[str]) -> int:  # pragma: no cov
     restore = ncfg.pretrained_checkpoint.restore_from_path
     ncfg.model = load_and_override_model_config(restore, ncfg.model)
     ptl_trainer = resolve_and_create_trainer(ncfg, "reinforce")
+    set_collective_timeout(ptl_trainer.strategy, cfg.parallel.collective_timeout_s)  # before any process group
     exp_manager(ptl_trainer, ncfg.exp_manager)
     model = load_from_nemo(cls, ncfg.model, ptl_trainer, strict=True, restore_path=restore)
     ends = apply_end_strings(model, list(ncfg.model.reinforce.sampling_params.end_strings)

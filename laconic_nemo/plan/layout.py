@@ -206,7 +206,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         from laconic_nemo.actors import memory as mem
 
         engine_mem = mem.engine_bytes(kv_bytes, kv.rows, kv.positions, layer_shape(cfg, hf, tp).vocab, hidden, tp=tp,
-                                      dtype_bytes=2 if m.precision in ("bf16", "fp16") else 4,
+                                      dtype_bytes=mem.precision_bytes(m.precision),
                                       graphs=cfg.rollout.cuda_graphs)
     resident = engine_mem if cfg.rollout.engine_memory == "resident" else None
     mp, memory = training_memory(cfg, hf, tp, pp, dp, mini // (dp * mbs), resident, gpu_memory_gib)
@@ -233,12 +233,17 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
 def packed_kernel_line(cfg: Config) -> str:
     """The kernel packed micro-batches run on an sm80+ GPU with this environment's packages, for the recipe's
     ``model.attention`` and precision (:func:`laconic_nemo.runtime.kernels.describe_packed_attention`)."""
-    import torch
-
     from laconic_nemo.runtime.kernels import describe_packed_attention
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.model.precision, torch.bfloat16)
-    return describe_packed_attention(cfg.model.attention, dtype)
+    return describe_packed_attention(cfg.model.attention, precision_dtype(cfg.model.precision))
+
+
+def precision_dtype(precision: str):
+    """The torch dtype of ``model.precision`` (fp32, bf16, fp16); its bytes are
+    :func:`laconic_nemo.actors.memory.precision_bytes`."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def decode_graph_bound(cfg: Config, rows: int, positions: int) -> tuple[str, int, int]:
@@ -262,15 +267,13 @@ def kv_cache_shape(cfg: Config, layers_per_stage: int, kv_heads_per_rank: int, h
     """The decode engine's KV cache on one GPU (:class:`laconic_nemo.rollout.kv_cache.KVCacheShape`): rows
     ``rollout.kv_cache_rows`` (null: the responses per DP rank), positions ``rollout.max_prompt_length +
     rollout.max_new_tokens`` within the context window, the model's dtype."""
-    import torch
-
     from laconic_nemo.rollout.kv_cache import KVCacheShape
 
     r = cfg.rollout
     rows = r.kv_cache_rows if r.kv_cache_rows is not None else int(samples_per_rank)
     positions = min(r.max_prompt_length + r.max_new_tokens, int(max_positions))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.precision, torch.float32)
-    return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim), dtype)
+    return KVCacheShape(int(layers_per_stage), rows, positions, int(kv_heads_per_rank), int(head_dim),
+                        precision_dtype(cfg.model.precision))
 
 
 def layer_shape(cfg: Config, hf: dict | None, tp: int):
@@ -317,7 +320,7 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, mic
     lmax = cfg.rollout.max_new_tokens
     tied = bool((hf or {}).get("tie_word_embeddings", False))
     params = memory.params_per_rank(shape, tp, pp, tied=tied)
-    dtype_bytes = 2 if m.precision == "bf16" else 4
+    dtype_bytes = memory.precision_bytes(m.precision)
     device = device_gib(gpu_memory_gib)
     resident = engine.total if engine is not None else 0.0
     if m.source == "nemo":
@@ -331,16 +334,19 @@ def training_memory(cfg: Config, hf: dict | None, tp: int, pp: int, dp: int, mic
         what = (f"NeMo-Aligner actor, {g.micro_batch_size} rows x {width} tokens (max_prompt_length + "
                 "max_new_tokens)")
     else:
+        # a log-prob chunk is logprob_chunk_size positions of every row: of the one row of a pack, of each padded row
         if g.micro_batch_tokens:
             tokens, what = max(g.micro_batch_tokens, lmax), f"packs of {g.micro_batch_tokens} tokens"
+            chunk = memory.logprob_chunk_tokens(g.logprob_chunk_size, 1, tokens)
         else:
             tokens, what = g.micro_batch_size * lmax, f"{g.micro_batch_size} rows of L_max"
+            chunk = memory.logprob_chunk_tokens(g.logprob_chunk_size, g.micro_batch_size, lmax)
         kernel = "local" if m.attention == "local" else "flash"
         mp = memory.plan_memory(shape, tokens, device, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                                 params=params,
                                 reference_on_device=g.kl_beta > 0 and g.reference_on in ("auto", "device"),
                                 num_micro_batches=None if g.micro_batch_tokens else micro_batches,  # packs: up to PP
-                                logprob_chunk=g.logprob_chunk_size, seq=lmax,
+                                logprob_chunk=chunk, seq=lmax,
                                 fused_swiglu=True,  # bias_activation_fusion: on for every GPU (kernels.fusion_flags)
                                 resident_bytes=resident)
     fixed = "" if g.recompute_layers is None else f"; grpo.recompute_layers = {g.recompute_layers} set"

@@ -258,9 +258,10 @@ class VarlenForm:
 
     causal: ``is_causal`` (torch 2.10: ``is_causal=True``) or ``window_size`` (2.11 on: ``window_size=(-1, 0)``);
     scale: it takes ``scale=`` (2.11 on; 2.10 always scales by 1 / sqrt(head_dim)); enable_gqa: it takes
-    ``enable_gqa=`` and refuses fewer key-value heads without it (2.13; before, the kernel takes them as they are).
-    In ``torch/nn/attention/varlen.py``: 2.10.0 ``:127-137``; 2.11.0 ``:159-171``, causal ``:237``; 2.13.0
-    ``:176-192``, the head check ``:295-305``, causal ``:307`` (tests/test_packed_gpu_path.py holds the forms).
+    ``enable_gqa=`` and refuses fewer key-value heads without it (2.12 on; before, the kernel takes them as they
+    are). In ``torch/nn/attention/varlen.py``: 2.10.0 ``:127-137``; 2.11.0 ``:159-171``, causal ``:237``; 2.12.0 and
+    2.12.1 ``:185-201``, the head check ``:304-314``, causal ``:316``; 2.13.0 ``:176-192``, the head check
+    ``:295-305``, causal ``:307`` (tests/test_packed_gpu_path.py holds the forms).
     """
 
     causal: str

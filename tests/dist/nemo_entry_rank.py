@@ -11,6 +11,13 @@ built) and apex's ``distributed_fused_adam`` (torch's AdamW, without the three k
 
 ``SIGNAL_RANK``: that rank sends itself SIGUSR1 when the model starts loading (Slurm's notice during start-up).
 
+``STOP_RANK``: once the process groups exist (where the entry point takes the output folder's lock), that rank
+stops (SIGSTOP: frozen with its connections open, as a rank that died under NCCL looks to the others; a killed
+rank's closed sockets would end a gloo collective at once) and every other rank enters an all-reduce on megatron's
+data-parallel group (made by NeMo's ``init_model_parallel``), then on the default group (made by Lightning), prints
+how long each waited (``collective on the <group> group failed after <s> s``) and raises the last failure, which
+ends the rank as a failed collective of the entry point would.
+
     RANK=r WORLD_SIZE=2 ... python tests/dist/nemo_entry_rank.py RECIPE key=value ... nemo.key=value ...
 """
 
@@ -50,6 +57,27 @@ def stand_ins(patch) -> None:
         patch.setattr(megatron_utils, name, type(name, (), {}), raising=False)
 
 
+def stuck_in_collectives() -> None:
+    """An all-reduce on megatron's data-parallel group, then on the default group, with a rank that never joins:
+    each must fail after ``parallel.collective_timeout_s``. Prints how long each waited; raises the last failure."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    failure = None
+    for name, group in (("data-parallel", parallel_state.get_data_parallel_group()), ("default", None)):
+        t0, how = time.monotonic(), "returned"
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except Exception as exc:  # noqa: BLE001 - torch's DistBackendError / gloo's RuntimeError
+            failure, how = exc, "failed"
+        print(f"collective on the {name} group {how} after {time.monotonic() - t0:.1f} s", flush=True)
+    if failure is not None:
+        raise failure
+
+
 def main() -> int:
     from _pytest.monkeypatch import MonkeyPatch
     from omegaconf import open_dict
@@ -81,6 +109,19 @@ def main() -> int:
         return ncfg
 
     patch.setattr(aligner_utils, "load_from_nemo", load_from_nemo)
+    if os.environ.get("STOP_RANK") is not None:
+        import laconic_nemo.runtime.run_lock as run_lock
+
+        hold = run_lock.hold_output_dir
+
+        def hold_output_dir(output_dir, rank):
+            if str(rank) == os.environ["STOP_RANK"]:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                stuck_in_collectives()
+            return hold(output_dir, rank)
+
+        patch.setattr(run_lock, "hold_output_dir", hold_output_dir)
     patch.setattr(entry, "build_nemo_config", build_nemo_config)
     return entry.main(sys.argv[1:])
 

@@ -502,9 +502,10 @@ class MetricsWriter:
                 fire(action)
             f.write(line)
         if m["step"] % self.log_every == 0 or m["step"] == self.num_steps:
+            lam, budgets = multipliers_text(m)
             print(
-                f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
-                f"mean_len {m['mean_response_length']:7.1f} (B {m['budget']:.0f}) | "
+                f"step {m['step']:>4}/{self.num_steps} | {lam} | "
+                f"mean_len {m['mean_response_length']:7.1f} (B {budgets or format(m['budget'], '.0f')}) | "
                 f"task_reward {m['task_reward']:.3f} | over_budget {m['frac_over_budget']:.2f} | "
                 f"{m['step_seconds']:.2f}s | eta {self.clock.eta(int(m['step']))}",
                 flush=True,
@@ -560,6 +561,33 @@ class MetricsWriter:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
         return kept
+
+
+CLASS_LAMBDA = "laconic/lambda/class_"  # a budget class's multiplier in a row (core.constraints.Constraints.step)
+MU_TAIL = "laconic/mu_tail"
+LISTED_CLASSES = 4  # more classes than this are shown as the range of their multipliers and budgets
+
+
+def multipliers_text(row: dict[str, Any], digits: int = 4) -> tuple[str, str | None]:
+    """The multipliers of a row (or of a resumed run's constraints, named as in a row) for a console line, and the
+    budgets they hold: ``("lambda 0.1234", None)`` for lambda alone (its budget is the row's ``budget``); with
+    budget classes (lambda is then unused) each class's multiplier and the classes' budgets, ``("lambda 22:0.1234
+    40:0.0000", "22, 40")``, or over more than :data:`LISTED_CLASSES` classes their range, ``("lambda
+    0.0000..0.5123 over 6 classes", "16-40")``; ``mu`` of a tail constraint after them."""
+    classes = {k[len(CLASS_LAMBDA):]: float(v) for k, v in row.items() if k.startswith(CLASS_LAMBDA)}
+    if not classes:
+        text, budgets = f"lambda {float(row['lambda']):.{digits}f}", None
+    elif len(classes) <= LISTED_CLASSES:
+        text = "lambda " + " ".join(f"{name}:{v:.{digits}f}" for name, v in classes.items())
+        budgets = ", ".join(classes)
+    else:
+        lo, hi = min(classes.values()), max(classes.values())
+        text = f"lambda {lo:.{digits}f}..{hi:.{digits}f} over {len(classes)} classes"
+        edges = [float(x) for name in classes for x in name.split("-")]  # a class key: its budget, or its bin lo-hi
+        budgets = f"{min(edges):g}-{max(edges):g}"
+    if row.get(MU_TAIL) is not None:
+        text += f" | mu {float(row[MU_TAIL]):.{digits}f}"
+    return text, budgets
 
 
 def _span(steps: list[int]) -> str:

@@ -44,12 +44,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from laconic_nemo.config import Config, ConfigError, defaults, to_dict
-from laconic_nemo.grpo.constraints import check_constraints_resume
+from laconic_nemo.config import Config, ConfigError
+from laconic_nemo.grpo.constraints import restore_resume_state
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
-    check_resume_config,
     missing_steps,
     read_metrics,
     read_trainer_state,
@@ -212,10 +211,8 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
         if "dp_size" in state and int(state["dp_size"]) != world_size // (tp * pp):
             raise ConfigError(f"cannot resume from {ckpt}: it was written with DP {state['dp_size']} and this run has "
                               f"DP {world_size // (tp * pp)}; resume with the checkpoint's layout")
-        check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
-                            list(cfg.checkpoint.resume_allow_changes or []),
-                            defaults())
-        check_constraints_resume(ckpt, state, cfg)  # each class by its key, the tail by its settings
+        # the config differences, then lambda, each class by its key and the tail by its settings, as a rank does
+        restore_resume_state(ckpt, state, cfg)
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "
@@ -230,7 +227,6 @@ def preflight_train(cfg: Config, world_size: int, local_world_size: int | None =
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
     from laconic_nemo.grpo.metrics import check_sinks
-
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
     check_recipe(cfg, nodes, local, check_paths=True, cluster=False)

@@ -126,12 +126,10 @@ def pin_cpu_kernels(cfg: Config) -> None:
     """Pin a CPU run's kernels to one instruction set (``LACONIC_CPU_ISA``, :mod:`laconic_nemo.runtime.cpu_isa`)
     in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun (this function,
     or ``laconic_nemo.nemo_entry``'s call of it) or a lone process sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
-    import torch
-
-    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa, runs_on_cpu
 
     try:
-        pin_cpu_isa(cpu=cfg.parallel.backend == "gloo" or not torch.cuda.is_available())
+        pin_cpu_isa(cpu=runs_on_cpu(cfg.parallel.backend))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

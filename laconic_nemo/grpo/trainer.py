@@ -69,6 +69,7 @@ from laconic_nemo.grpo.interfaces import (
 )
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
 from laconic_nemo.grpo.metrics import CLASS_LAMBDA, MU_TAIL, MetricSink, MetricsWriter, build_sinks, multipliers_text
+from laconic_nemo.runtime.cpu_isa import cpu_isa, kernels_note, runs_on_cpu
 from laconic_nemo.runtime.faults import fault_point, heartbeat
 from laconic_nemo.runtime.stop_signals import STOP_SIGNALS, handle_stop_signals  # noqa: F401 - STOP_SIGNALS: the trainer's, also read from here
 
@@ -260,6 +261,9 @@ class GRPOTrainer:
         self.stop = StopSignals()
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
+        # what this process's CPU kernels run with (a CPU run's checkpoints record it; a resume compares it)
+        self.kernels = cpu_isa() if runs_on_cpu(cfg.parallel.backend) else None
+        self.resume_notes: list[str] = []  # said once on the console and in the resumed row's notes (rank 0)
 
     @property
     def dual(self) -> DualController | None:
@@ -470,6 +474,8 @@ class GRPOTrainer:
         constraints = self.constraints.state_dict()
         if constraints is not None:
             state["constraints"] = constraints
+        if self.kernels is not None:
+            state["cpu_isa"] = self.kernels
         return state
 
     def _multipliers(self) -> dict[str, float]:
@@ -508,6 +514,8 @@ class GRPOTrainer:
         # the multipliers clipped into them)
         restore_resume_state(path, state, self.cfg, self.constraints)
         self.checkpoints.load(path, self.actor)
+        note = None if self.kernels is None else kernels_note(state.get("cpu_isa"), self.kernels, str(path))
+        self.resume_notes = [note] if note else []
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop
@@ -524,6 +532,9 @@ class GRPOTrainer:
                 lam, budgets = multipliers_text(self._multipliers(), digits=6)
                 print(f"resumed from {resume} at step {self.step} ({lam}{f'; B {budgets}' if budgets else ''})",
                       flush=True)
+                for note in self.resume_notes:
+                    print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)
+                self.metrics.notes += self.resume_notes
         self.metrics.start(self.step, self._metric_sinks(self.step) if self.is_logger else None, resume)
         try:
             return self._train_loop()

@@ -12,6 +12,8 @@ in the context), and what the trainer builds before step 1 without a GPU
 ``train`` calls :func:`preflight_train` in the launcher (or, under torchrun / srun, in every rank
 before torch.distributed starts), which adds what only a training run on this machine needs:
 
+* no live run holds the output folder (its ``run.lock``, :mod:`laconic_nemo.runtime.run_lock`; the launcher then
+  takes it before it starts a rank, and holds it until the run ends);
 * this host can run the layout (``parallel.backend = nccl`` needs CUDA devices, one per local rank;
   ``train`` runs the megatron-core actor, so ``model.source`` is synthetic or hf);
 * the output folder (and the warm-up cache) is a writable folder, or can be created, and no name the
@@ -227,6 +229,12 @@ def preflight_train(cfg: Config, world_size: int, local_world_size: int | None =
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
     from laconic_nemo.grpo.metrics import check_sinks
+    from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free
+
+    try:  # a live run in this output dir: nothing else to check
+        check_free(cfg.run.output_dir)
+    except OutputDirLocked as exc:
+        raise ConfigError(str(exc)) from None
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
     check_recipe(cfg, nodes, local, check_paths=True, cluster=False)

@@ -245,5 +245,6 @@ def test_init_below_floor_is_used_then_clipped_by_the_first_step():
     f = DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0)
     f.load_state_dict(DualController(2000, eta=0.002, ceiling=0.1, floor=1e-5, init=0.0).state_dict())
     assert f.value == 0.0
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"'lam' = 0.0 is invalid: allowed a number in \[floor, ceiling\] = "
+                                         r"\[1e-05, 0.1\]"):
         f.load_state_dict({**f.state_dict(), "num_updates": 3})

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,37 @@ def test_the_main_job_gives_the_same_bits_under_two_instruction_set_settings(tmp
     assert pinned[0] == native["b"][0] and [r["step"] for r in pinned[0]] == [1, 2]
     assert pinned[2]["cpu_isa"] == native["b"][2]["cpu_isa"] == PINNED
     assert pinned[2] == native["b"][2]  # one key: one cached policy for both machines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
+def test_a_resume_under_other_kernels_is_named_once_and_never_refused(tmp_path):
+    """A preempted job may come back on another machine or setting: a resume whose CPU kernels are not those its
+    checkpoint was written with goes on (status 0) and names both once, on the console and in the resumed row's
+    notes; a resume under the checkpoint's own kernels says nothing. Each way: native -> avx2 (-> avx2) -> native.
+    One process, the tiny recipe's small variant (the e2e tests' shapes), a checkpoint after every step."""
+    from tests.test_reliability_e2e import launch, rows
+    from tests.test_trainer_e2e import FAST, TINY
+
+    out = tmp_path / "run"
+    args = [TINY, *FAST, "parallel.tensor_model_parallel_size=1", "checkpoint.every_n_steps=1",
+            f"warmup.cache_dir={tmp_path / 'cache'}"]
+    prefix = "laconic-nemo train: resumed under other CPU kernels than the checkpoint's"
+    said = {}
+    for steps, setting in ((1, "native"), (2, "avx2"), (3, "avx2"), (4, "native")):
+        run = launch([*args, f"run.num_steps={steps}"], out, env_extra={isa.ISA_ENV: setting}, timeout=400)
+        assert run.rc == 0, run.out[-3000:]
+        said[steps] = [line for line in run.out.splitlines() if line.startswith(prefix)]
+    ckpt = out / "checkpoints"
+    native = r"ATen \w+, MKL_CBWR=\w+, ONEDNN_MAX_CPU_ISA=\w+, .+ \(LACONIC_CPU_ISA=native or a machine without the pin\)"
+    avx2 = r"ATen AVX2, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX2 \(LACONIC_CPU_ISA=avx2\)"
+    assert said[1] == [] and said[3] == []  # a fresh start; the same kernels as the checkpoint's
+    for steps, before, now in ((2, native, avx2), (4, avx2, native)):
+        (line,) = said[steps]
+        where = re.escape(f"{prefix}: {ckpt / f'step_{steps - 1:06d}'} was written with ")
+        assert re.fullmatch(rf"{where}{before}, this process runs with {now}; its steps from here round otherwise "
+                            r"than those of a run that kept the checkpoint's kernels", line), line
+    got = rows(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    notes = {r["step"]: r["notes"] for r in got if "notes" in r}
+    assert notes == {2: [said[2][0][len("laconic-nemo train: "):]], 4: [said[4][0][len("laconic-nemo train: "):]]}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -163,3 +164,49 @@ def test_a_full_disk_under_the_dashboards_is_named_once_and_training_goes_on(tmp
     assert sum(len(n) for n in notes.values()) == 2  # each named once
     history = [h for f in wandb_offline_runs(out) for h in wandb_history(f)[1]]
     assert [h["_step"] for h in history] == [1]  # what W&B got before its disk filled
+
+
+def _full_tmpfs_prefix(folder, pages: int, leave: int, fill_when_stopped: bool = False) -> tuple:
+    """A command prefix that runs the rest with a tmpfs of ``pages`` memory pages mounted at ``folder``, filled but
+    for ``leave`` pages; ``fill_when_stopped``: filled only once the command's process has stopped itself (a fault
+    point's SIGSTOP), then continued. () where this kernel does not allow the mount."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    if not tmpfs_prefix(folder, f"size={pages * page}"):
+        return ()
+    fill = f'head -c {(pages - leave) * page} /dev/zero > "$0/filler" 2>/dev/null'
+    if fill_when_stopped:  # the command keeps this shell's pid ($$) once it is exec-ed
+        fill = (f'(pid=$$; while [ -d /proc/$pid ] && [ "$(sed "s/.*) //" /proc/$pid/stat | cut -c1)" != T ]; '
+                f'do sleep 0.2; done; {fill}; kill -CONT $pid) &')
+    else:
+        fill += ";"
+    return ("unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={pages * page} tmpfs "$0" && {fill} exec "$@"',
+            str(folder))
+
+
+def test_a_full_disk_under_wandb_is_named_once_without_its_loggers_tracebacks(tmp_path, cache):
+    """``<output_dir>/wandb`` on a real full tmpfs: W&B reports nothing itself (its service writes a run file of 0
+    bytes, its own logger printed a traceback for each of its lines, 116 for a short run, and no line named W&B).
+    Full from the start (one page left: the run id's file takes it): named once, "could not be opened at step 1",
+    in row 1's notes. Filled while the process is stopped at the start of step 3 (a fault point; then continued):
+    named once, "failed writing at step 3", in row 3's notes. Every row written, status 0, no traceback."""
+    pytest.importorskip("wandb")
+    args = [*ARGS, *WANDB, "logging.tensorboard=false", cache, "run.num_steps=4", "checkpoint.every_n_steps=0"]
+    full, fills = tmp_path / "full" / "run", tmp_path / "fills" / "run"
+    for out in (full, fills):
+        (out / "wandb").mkdir(parents=True)
+    cases = [(full, _full_tmpfs_prefix(full / "wandb", pages=16, leave=1), None, "could not be opened", 1),
+             (fills, _full_tmpfs_prefix(fills / "wandb", pages=256, leave=0, fill_when_stopped=True),
+              "generate@3:0:stop", "failed writing", 3)]
+    if not cases[0][1]:
+        pytest.skip("unshare -rm (user and mount namespaces) is not available to mount a small tmpfs")
+    no_space = f"OSError: [Errno {errno.ENOSPC}] No space left on device"
+    for out, prefix, fault, what, step in cases:
+        run = launch(args, out, prefix=prefix, fault=fault, timeout=400)  # W&B's own console lines kept
+        assert run.rc == 0, run.out[-3000:]
+        assert "Traceback" not in run.out and "Logging error" not in run.out, run.out[-3000:]
+        (line,) = said(run, "dashboard W&B")
+        assert line.startswith("laconic-nemo train: dashboard W&B run ") and f" {what} at step {step}: {no_space}" \
+            in line and line.endswith("training goes on without it for the rest of this session"), line
+        got = rows(out)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        assert {r["step"]: r["notes"] for r in got if "notes" in r} == {step: [line[len("laconic-nemo train: "):]]}

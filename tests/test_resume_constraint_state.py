@@ -70,6 +70,7 @@ def done(tmp_path_factory):
     out = tmp / "full"
     run = launch([*ARGS, f"warmup.cache_dir={tmp / 'cache'}"], out, timeout=600)
     assert run.rc == 0, run.out[-3000:]
+    (tmp / "full.out").write_text(run.out)
     return tmp, out
 
 
@@ -107,6 +108,9 @@ def test_a_class_missing_from_the_checkpoint_is_refused_and_carried_over_by_key(
     assert step5["step"] == 5
     assert step5["laconic/lambda/class_22"] == 0.0  # laconic.lambda_init: the checkpoint has no class 22
     assert step5["laconic/lambda/class_40"] == lams["40"] and step5["laconic/mu_tail"] == lams["tail"]
+    # the resumed line names the multipliers the run continues with: each class's and mu (lambda is unused)
+    assert (f"resumed from {ckpt} at step 4 (lambda 22:0.000000 40:{lams['40']:.6f} | mu {lams['tail']:.6f}; "
+            "B 22, 40)") in run.out, run.out[-3000:]
 
 
 def test_a_changed_set_of_budgets_or_tail_is_refused_naming_the_keys(done):
@@ -190,3 +194,58 @@ def test_a_bad_value_with_nothing_to_fall_back_to_is_one_line_and_status_2_in_th
                      "to fall back to (step_000002 damaged too): repair the value, or move the checkpoint folders "
                      "aside to start over"], run.out[-3000:]
     assert "Traceback" not in run.out
+
+
+def test_the_step_lines_show_the_class_multipliers_and_budgets(done):
+    """The console's step line of the stated recipe: each class's multiplier used in the step, mu, and the classes'
+    budgets (not lambda, unused with budget classes, nor laconic.budget)."""
+    tmp, out = done
+    lines = [line for line in (tmp / "full.out").read_text().splitlines() if line.startswith("step ")]
+    got = rows(out)
+    assert len(lines) == len(got) == 4
+    for line, r in zip(lines, got):
+        assert line.startswith(f"step {r['step']:>4}/4 | lambda 22:{r['laconic/lambda/class_22']:.4f} "
+                               f"40:{r['laconic/lambda/class_40']:.4f} | mu {r['laconic/mu_tail']:.4f} | mean_len "
+                               f"{r['mean_response_length']:7.1f} (B 22, 40) | "), line
+
+
+def test_a_multiplier_outside_its_range_is_named_and_skipped_for_the_previous_checkpoint(done):
+    """Class 22's multiplier -0.5 in step 4 (its state's floor is 0): the pre-flight names the file and the whole key
+    path, skips it and the ranks resume step 2, recomputing steps 3-4 bit for bit (before: refused, status 2, naming
+    neither the file nor which multiplier)."""
+    tmp, full = done
+    out, args = probe(done, "range")
+    ckpt = out / "checkpoints" / "step_000004"
+    edit_state(ckpt, lambda s: s["constraints"]["classes"]["classes"]["22"]["dual"].update(lam=-0.5))
+    run = launch(args, out, timeout=400)
+    assert run.rc == 0 and "Traceback" not in run.out, run.out[-3000:]
+    assert (f"laconic-nemo train: checkpoint {ckpt} is damaged and skipped: {ckpt / 'trainer_state.json'} key "
+            "constraints.classes.classes.22.dual.lam = -0.5 is invalid: allowed a number in [floor, ceiling] = "
+            "[0.0, 2.0]") in run.out, run.out[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in run.out
+    assert [strip_timing(r) for r in rows(out)] == [strip_timing(r) for r in rows(full)]
+
+
+def test_turning_per_prompt_budgets_off_is_refused_before_launch_then_carried(done):
+    """``laconic.per_prompt_budget=false`` on the stated run (allowed as a config change): before, the pre-flight
+    passed and each rank refused after start-up (``shaper state for 'laconic' is missing key 'dual'``). Now the
+    pre-flight refuses, one line naming the classes dropped and the entry to write; with ``class:40=lambda`` the
+    run resumes, lambda's controller taking class 40's multiplier."""
+    out, args = probe(done, "per_prompt_off")
+    ckpt = out / "checkpoints" / "step_000004"
+    lams = saved_lams(ckpt)
+    off = [*args, "run.num_steps=5", "laconic.per_prompt_budget=false"]
+    run = launch([*off, "checkpoint.resume_allow_changes=[laconic.per_prompt_budget]"], out, timeout=120)
+    assert run.rc == 2 and "launching" not in run.out, run.out[-3000:]
+    (line,) = said(run, "cannot resume")
+    assert line == (f"laconic-nemo train: cannot resume from {ckpt}: lambda's controller (budget 20) is new: the "
+                    "checkpoint holds no state of it (trained with per-prompt budgets: this run drops the multipliers "
+                    "of its budget classes 22, 40). To carry the state over, resume with "
+                    "checkpoint.resume_allow_changes=[laconic.per_prompt_budget,lambda:reset] (how each entry carries "
+                    "it: docs/reliability.md), or with the checkpoint's settings"), line
+    run = launch([*off, "checkpoint.resume_allow_changes=[laconic.per_prompt_budget,class:40=lambda]"], out,
+                 timeout=400)
+    assert run.rc == 0 and f"resumed from {ckpt} at step 4 (lambda {lams['40']:.6f}" in run.out, run.out[-3000:]
+    step5 = rows(out)[-1]
+    assert step5["step"] == 5 and step5["lambda"] == lams["40"] and "laconic/lambda/class_40" not in step5
+

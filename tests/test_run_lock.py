@@ -3,9 +3,10 @@
 * the lock of ``laconic_nemo.runtime.run_lock`` against real processes: a live holder on this host refuses
   (naming pid, host and the file), a dead, zombie or recycled-pid holder is stale, a holder on another
   host refuses unless it is an earlier run of the same Slurm job;
-* end to end (``laconic-nemo train --nprocs 2``, the tiny recipe): while a run trains, a second run into its
-  output dir is refused before it starts anything; after ``kill -9`` of the first launcher its ranks die,
-  and a rerun takes over the stale lock and resumes.
+* end to end (``laconic-nemo train --nprocs 2``, the tiny recipe): the launcher holds the output dir from before
+  its ranks start; while a run trains or its ranks start up, a second run into its output dir is refused by its
+  pre-flight, once, before it starts anything; after ``kill -9`` of the first launcher its ranks die, and a rerun
+  takes over the stale lock and resumes.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path):
             time.sleep(0.3)
         ranks = _children(first.pid)
         assert len(ranks) == 2
-        assert json.loads((out / LOCK_NAME).read_text())["pid"] in ranks  # rank 0 holds the output dir
+        assert json.loads((out / LOCK_NAME).read_text())["pid"] == first.pid  # the launcher holds the output dir
 
         # a second run into the same output dir: refused before any rank, warm-up or model
         second = subprocess.Popen([*cmd, "run.num_steps=500"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -177,6 +178,52 @@ def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path):
         assert not (out / LOCK_NAME).exists()
     finally:
         for p in [first, *started]:  # each launcher leads its process group; its ranks die with it (PDEATHSIG)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the ranks")
+def test_a_run_started_while_anothers_ranks_start_is_refused_in_its_preflight_once(tmp_path):
+    """Two runs on one folder started together. The first's rank 0 is held at its start-up (a fault point stops it
+    there, before its rendezvous) while the second starts: the second is refused by its pre-flight, before it starts
+    a rank, with the lock's line once (the first's launcher holds the folder from before its ranks start). Before,
+    the lock was rank 0's to take after its rendezvous: the second passed the launcher's check, and its ranks took the
+    folder and trained into it. The first then continues, finishes and leaves no lock."""
+    out, cache = tmp_path / "run", f"warmup.cache_dir={tmp_path / 'cache'}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LACONIC_LAUNCHER_PID", "LACONIC_FAULT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "laconic_nemo", "train", "--nprocs", "2", TINY, *FAST, cache, "run.num_steps=1",
+           f"run.output_dir={out}"]
+    first = subprocess.Popen(cmd, cwd=ROOT, env={**env, "LACONIC_FAULT": "start_up@0:0:stop"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started = []
+    try:
+        said = []
+        for line in first.stdout:  # until rank 0 has stopped itself
+            said.append(line)
+            if "[fault point] rank 0 pid " in line:
+                break
+        rank0 = int(said[-1].split(" pid ")[1].split(":")[0])
+        second = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+        started.append(second)
+        text = second.communicate(timeout=300)[0]  # hang guard
+        assert second.returncode == 2, text[-3000:]
+        lines = [line for line in text.splitlines() if "is in use by another run" in line]
+        assert lines == [f"laconic-nemo train: run.output_dir = {out} is in use by another run: {out / LOCK_NAME} is "
+                         f"held by pid {first.pid} on host {socket.gethostname()}, since "
+                         f"{json.loads((out / LOCK_NAME).read_text())['taken_at']}. Wait for that run to end or "
+                         "choose another run.output_dir."], text[-3000:]
+        assert "launching" not in text and "warm-up" not in text, text[-3000:]
+        os.kill(rank0, signal.SIGCONT)
+        rest = first.communicate(timeout=600)[0]
+        assert first.returncode == 0, "".join(said)[-2000:] + rest[-3000:]
+        assert [r["step"] for r in _metrics(out)] == [1] and not (out / LOCK_NAME).exists()
+    finally:
+        for p in [first, *started]:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -162,15 +162,16 @@ def test_per_prompt_budgets_are_a_function_of_the_visible_problem():
 
 
 def test_the_resume_check_builds_the_per_prompt_classes_from_the_synthetic_rows():
-    """The pre-flight's restore of a checkpoint's constraint state (grpo/constraints.py:check_constraints_resume)
+    """The pre-flight's restore of a checkpoint's constraint state (grpo/constraints.py:restore_resume_state)
     builds the per-prompt run's classes from the synthetic rows' B_i, as the trainer does: a checkpoint of the same
     classes is restored by key, one of other bins is refused naming the key."""
     from laconic_nemo.app.task import build_task
     from laconic_nemo.config import to_dict
+    from laconic_nemo.core import shaper_state
     from laconic_nemo.grpo.constraints import (
         build_constraints,
-        check_constraints_resume,
         restore_constraints,
+        restore_resume_state,
         run_budgets,
     )
     from laconic_nemo.grpo.resume import ResumeError
@@ -182,11 +183,12 @@ def test_the_resume_check_builds_the_per_prompt_classes_from_the_synthetic_rows(
     assert classes.names == ["16-24", "24-32", "32-40"]
     classes.duals[2].update(1.5)  # rho 1.5 in the bin [32, 40]: its multiplier moves, the others stay at 0
     assert classes.duals[2].value > 0.0
-    state = {"constraints": {"classes": classes.state_dict()}, "config": to_dict(cfg)}
-    check_constraints_resume("ckpt", state, cfg)
-    fresh = build_constraints(cfg, run_budgets(cfg)).classes
-    restore_constraints("ckpt", state, fresh, None, cfg)
-    assert [d.value for d in fresh.duals] == [0.0, 0.0, classes.duals[2].value]
+    state = {"constraints": {"classes": classes.state_dict()}, "config": to_dict(cfg),
+             "shaper": shaper_state(cfg.laconic.shaper, None)}
+    restore_resume_state("ckpt", state, cfg)
+    fresh = build_constraints(cfg, run_budgets(cfg))
+    restore_constraints("ckpt", state, fresh, cfg)
+    assert [d.value for d in fresh.classes.duals] == [0.0, 0.0, classes.duals[2].value]
     other = load_config(PER_PROMPT, ["laconic.budget_classes=[16,30,40]"])
     with pytest.raises(ResumeError, match=r"laconic\.budget_classes"):
-        check_constraints_resume("ckpt", state, other)
+        restore_resume_state("ckpt", state, other)

@@ -18,7 +18,7 @@ import threading
 import time
 
 from laconic_nemo.config import Config, ConfigError, load_config
-from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free, hold_output_dir
+from laconic_nemo.runtime.run_lock import OutputDirLock, OutputDirLocked, hold_output_dir
 from laconic_nemo.runtime.stop_signals import STOP_SIGNALS, handle_stop_signals
 
 LAUNCHER_PID_ENV = "LACONIC_LAUNCHER_PID"
@@ -95,11 +95,6 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"laconic-nemo train: {exc}", file=sys.stderr)
         return 2
-    try:  # a live run in this output dir: refuse before any rank, warm-up or model exists
-        check_free(cfg.run.output_dir)
-    except OutputDirLocked as exc:
-        print(f"laconic-nemo train: {exc}", file=sys.stderr)
-        return 2
     # The launcher (or a lone process) stops here at once. A rank of a multi-rank run must not: the others
     # would wait for it in the rendezvous or a collective forever. It goes on to the trainer, where every
     # rank agrees on the stop (GRPOTrainer.stop.requested is an all-reduce) and they leave together.
@@ -107,31 +102,44 @@ def run(args) -> int:
         print(f"laconic-nemo train: stopped on signal {EARLY_SIGNALS[0]} during start-up; nothing to save yet",
               file=sys.stderr)
         return 3
-    if launcher and nprocs > 1:
-        par = cfg.parallel
-        return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=par.watchdog_s,
-                            step_factor=par.watchdog_step_factor, min_s=par.watchdog_min_s,
-                            output_dir=cfg.run.output_dir)
-    from laconic_nemo.grpo.resume import ResumeError
-
+    lock = None
+    if launcher:  # this process runs the whole run (its local ranks, or the training itself): it holds the folder
+        try:
+            lock = OutputDirLock.acquire(cfg.run.output_dir)
+        except OutputDirLocked as exc:  # another run took it since the pre-flight's check: no rank is started
+            print(f"laconic-nemo train: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"laconic-nemo train: run.output_dir = {cfg.run.output_dir}: cannot create its lock file ({exc})",
+                  file=sys.stderr)
+            return 2
     try:
-        return train(cfg)
-    except (ConfigError, ResumeError) as exc:
-        # a check only a rank can make (a prompt longer than the context, a checkpoint's state): one line
-        print(f"{RANK_REFUSAL}{os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
-        return 2
+        if launcher and nprocs > 1:
+            par = cfg.parallel
+            return launch_local(nprocs, [args.recipe, *args.overrides], watchdog_s=par.watchdog_s,
+                                step_factor=par.watchdog_step_factor, min_s=par.watchdog_min_s,
+                                output_dir=cfg.run.output_dir)
+        from laconic_nemo.grpo.resume import ResumeError
+
+        try:  # the folder's lock: this process's (a lone process), its launcher's, or rank 0 takes it (torchrun, srun)
+            return train(cfg, hold_lock=lock is None and not os.environ.get(LAUNCHER_PID_ENV))
+        except (ConfigError, ResumeError) as exc:
+            # a check only a rank can make (a prompt longer than the context, a checkpoint's state): one line
+            print(f"{RANK_REFUSAL}{os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+            return 2
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def pin_cpu_kernels(cfg: Config) -> None:
     """Pin a CPU run's kernels to one instruction set (``LACONIC_CPU_ISA``, :mod:`laconic_nemo.runtime.cpu_isa`)
     in this process's environment: the launcher's ranks inherit it, a rank under torchrun / srun (this function,
     or ``laconic_nemo.nemo_entry``'s call of it) or a lone process sets it before its first kernel. A GPU run (nccl, or auto with CUDA) is left as it is."""
-    import torch
-
-    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
+    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa, runs_on_cpu
 
     try:
-        pin_cpu_isa(cpu=cfg.parallel.backend == "gloo" or not torch.cuda.is_available())
+        pin_cpu_isa(cpu=runs_on_cpu(cfg.parallel.backend))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -415,9 +423,10 @@ def launch_local(nprocs: int, argv: list[str], watchdog_s: float = 600.0, grace_
     return 0
 
 
-def train(cfg: Config) -> int:
-    """The megatron-core entry point (every rank): torch.distributed, the output-dir lock, the task, the actor
-    (and its vLLM engine), the trainer, then :func:`laconic_nemo.app.run.run`."""
+def train(cfg: Config, hold_lock: bool = True) -> int:
+    """The megatron-core entry point (every rank): torch.distributed, the output-dir lock (``hold_lock``: rank 0 takes
+    it; False: the process that started this one holds it), the task, the actor (and its vLLM engine), the trainer,
+    then :func:`laconic_nemo.app.run.run`."""
     import torch
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
@@ -442,7 +451,7 @@ def train(cfg: Config) -> int:
     lock = None
     try:
         try:  # rank 0 holds run.output_dir until the run ends; every rank stops here if another run has it
-            lock = hold_output_dir(cfg.run.output_dir, info.rank)
+            lock = hold_output_dir(cfg.run.output_dir, info.rank) if hold_lock else None
         except OutputDirLocked as exc:
             if is_logger:
                 print(f"laconic-nemo train: {exc}", file=sys.stderr, flush=True)

@@ -12,11 +12,12 @@ Each budget class's multiplier is saved under the class's key (its budget ``"500
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from laconic_nemo.core.dual import dual_state_problem
+from laconic_nemo.core.dual import dual_state_problem, load_shaper_state
 
 
 def class_name(lo: float, hi: float | None = None) -> str:
@@ -120,11 +121,12 @@ def saved_classes(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 class ConstraintStateMismatch(ValueError):
     """The saved constraints differ from this run's and nothing says how to carry them over. ``entries``: the
     ``checkpoint.resume_allow_changes`` entries that would accept the difference (each carries the state over
-    in one documented way, :class:`CarryOver`)."""
+    in one documented way, :class:`CarryOver`); ``drop``: entries given that cannot apply (a rename naming a class
+    one side lacks), to be left out of the list that accepts it."""
 
-    def __init__(self, message: str, entries: Sequence[str]):
+    def __init__(self, message: str, entries: Sequence[str], drop: Sequence[str] = ()):
         super().__init__(message)
-        self.entries = list(entries)
+        self.entries, self.drop = list(entries), list(drop)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,10 @@ class CarryOver:
     tail: "carry" (``tail:carry``): a tail constraint with another B_tail or q keeps the checkpoint's mu (clipped
         into this run's [0, tail_ceiling]); "reset" (``tail:reset``): it starts at tail_init (also when the
         checkpoint has no tail constraint); None: refused.
+    lam: where the checkpoint holds no state of lambda's controller (it trained with per-prompt budgets) and this run
+        has one: "reset" (``lambda:reset``): lambda starts at lambda_init; a checkpoint class key K
+        (``class:K=lambda``): lambda takes that class's multiplier, clipped into this run's [floor, ceiling]; None:
+        refused.
     """
 
     renames: Mapping[str, str] = field(default_factory=dict)
@@ -146,8 +152,10 @@ class CarryOver:
     dropped: bool = False
     budgets: bool = False
     tail: str | None = None
+    lam: str | None = None
 
-    PREFIXES = ("class:", "tail:")
+    PREFIXES = ("class:", "tail:", "lambda:")
+    LAMBDA = "lambda"  # the name of lambda's controller as the target of a class:OLD=NEW entry
 
     @classmethod
     def is_entry(cls, entry: str) -> bool:
@@ -159,7 +167,7 @@ class CarryOver:
         """The carry-over entries among ``entries`` (config keys are left out); ValueError naming a bad one."""
         renames: dict[str, str] = {}
         flags = {"new": False, "dropped": False, "budgets": False}
-        tail = None
+        tail = lam = None
         for entry in (str(e) for e in entries if cls.is_entry(e)):
             kind, _, what = entry.partition(":")
             if kind == "tail" and what in ("carry", "reset"):
@@ -168,6 +176,13 @@ class CarryOver:
                 tail = what
             elif kind == "class" and what in flags:
                 flags[what] = True
+            elif (kind == "lambda" and what == "reset") or (kind == "class" and what.count("=") == 1
+                                                           and what.split("=")[1] == cls.LAMBDA and what[0] != "="):
+                how = what if kind == "lambda" else what.split("=")[0]
+                if lam not in (None, how):
+                    raise ValueError(f"{entry!r} contradicts " + ("'lambda:reset'" if lam == "reset" else
+                                                                  f"'class:{lam}={cls.LAMBDA}'"))
+                lam = how
             elif kind == "class" and what.count("=") == 1 and all(what.split("=")):
                 old, new = what.split("=")
                 if new in renames and renames[new] != old:
@@ -176,8 +191,8 @@ class CarryOver:
             else:
                 raise ValueError(f"{entry!r} is not a carry-over entry: allowed class:new, class:dropped, "
                                  "class:budgets, class:OLD=NEW (class keys as in the metric names, e.g. "
-                                 "class:500-1000=500-1200), tail:carry or tail:reset")
-        return cls(renames=renames, tail=tail, **flags)
+                                 "class:500-1000=500-1200), class:OLD=lambda, lambda:reset, tail:carry or tail:reset")
+        return cls(renames=renames, tail=tail, lam=lam, **flags)
 
 
 def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: Any, carry: CarryOver
@@ -189,7 +204,7 @@ def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: Any, carry: C
     Raises :class:`ConstraintStateMismatch` listing every difference ``carry`` does not accept: a class of this
     run the checkpoint lacks, a saved class this run lacks, a class whose budgets differ, a rename that names a
     class neither side has."""
-    problems, entries = [], []
+    problems, entries, drop = [], [], []
     plan: dict[str, str | None] = {}
     used = set()
     for new, old in carry.renames.items():
@@ -197,6 +212,9 @@ def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: Any, carry: C
             problems.append(f"class:{old}={new} names "
                             + (f"class {old}, which the checkpoint lacks" if old not in saved else
                                f"class {new}, which this run lacks"))
+            drop.append(f"class:{old}={new}")
+    # what else differs is judged without the renames that cannot apply (the entries offered replace them)
+    carry = dataclasses.replace(carry, renames={n: o for n, o in carry.renames.items() if f"class:{o}={n}" not in drop})
     for k, name in enumerate(classes.names):
         source = carry.renames.get(name, name)
         if source not in saved:
@@ -222,7 +240,7 @@ def match_classes(saved: Mapping[str, Mapping[str, Any]], classes: Any, carry: C
     if problems:
         raise ConstraintStateMismatch(
             f"the budget classes differ: the checkpoint has {', '.join(saved) or 'none'}, this run "
-            f"{', '.join(classes.names)}: {'; '.join(problems)}", list(dict.fromkeys(entries)))
+            f"{', '.join(classes.names)}: {'; '.join(problems)}", list(dict.fromkeys(entries)), drop)
     return plan
 
 
@@ -248,3 +266,38 @@ def tail_state_problem(state: Any) -> tuple[str, Any, str] | None:
     if problem is not None:
         return (f"dual.{problem[0]}" if problem[0] else "dual"), problem[1], problem[2]
     return None
+
+
+def load_lambda_state(shaper: str, dual: Any, state: Mapping[str, Any], carry: CarryOver, strict: bool = True) -> None:
+    """Restore lambda's controller ``dual`` (None: this run has none) from a checkpoint's trainer ``state`` (its
+    ``shaper`` entry, :func:`~laconic_nemo.core.dual.load_shaper_state`; ValueError for another shaper or a setting
+    that differs with ``strict``).
+
+    A checkpoint that holds no state of lambda's controller while this run has one (the checkpoint trained with
+    per-prompt budgets: a multiplier per budget class instead) is refused (:class:`ConstraintStateMismatch`, naming
+    the classes whose multipliers this run drops) unless ``carry.lam`` says where lambda starts: "reset" at
+    lambda_init, or a checkpoint class key with that class's multiplier (clipped into this run's settings). The
+    entry offered: ``class:K=lambda`` for a class K that holds exactly the budget of lambda's controller, else
+    ``lambda:reset``."""
+    entry = state.get("shaper") if isinstance(state.get("shaper"), Mapping) else {}
+    if dual is None or "dual" in entry or entry.get("shaper") != shaper:
+        load_shaper_state(shaper, dual, entry, strict=strict)
+        return
+    classes = (state.get("constraints") or {}).get("classes")
+    saved = {} if classes is None else saved_classes(classes)
+    if carry.lam == "reset":
+        return
+    if carry.lam in saved:
+        dual.load_state_dict(saved[carry.lam]["dual"], strict=False)
+        return
+    problems, drop = [], []
+    if carry.lam is not None:
+        problems.append(f"class:{carry.lam}={CarryOver.LAMBDA} names class {carry.lam}, which the checkpoint lacks")
+        drop.append(f"class:{carry.lam}={CarryOver.LAMBDA}")
+    dropped = (f"trained with per-prompt budgets: this run drops the multipliers of its budget classes "
+               f"{', '.join(saved)}" if saved else "it trained without one")
+    problems.insert(0, f"lambda's controller (budget {dual.budget:g}) is new: the checkpoint holds no state of it "
+                       f"({dropped})")
+    same = [f"class:{k}={CarryOver.LAMBDA}" for k, v in saved.items() if [float(b) for b in v["budgets"]] == [dual.budget]]
+    raise ConstraintStateMismatch("; ".join(problems), same[:1] or ["lambda:reset"], drop)
+

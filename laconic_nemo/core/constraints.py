@@ -321,7 +321,8 @@ class TailConstraint:
             what = "no tail constraint" if saved is None else f"the tail constraint {saved}"
             raise ConstraintStateMismatch(
                 f"the tail constraint differs: the checkpoint has {what}, this run {self.key}",
-                ["tail:reset"] if saved is None else ["tail:carry", "tail:reset"])
+                ["tail:reset"] if saved is None else ["tail:carry", "tail:reset"],
+                drop=["tail:carry"] if carry == "carry" else [])  # nothing to carry
         self.dual.load_state_dict(state["dual"], strict=strict)
 
 

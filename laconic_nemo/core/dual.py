@@ -266,11 +266,7 @@ class DualController:
                     raise ValueError(f"dual state mismatch on {key!r}: checkpoint has {saved!r}, this run has "
                                      f"{mine[key]!r} (to keep this run's settings, name the laconic key in "
                                      "checkpoint.resume_allow_changes)")
-            low = 0.0 if int(state.get("num_updates", 0)) == 0 else self.floor
-            if not (low <= lam <= self.ceiling):
-                raise ValueError(f"lam in checkpoint ({lam!r}) is outside [{low!r}, ceiling] = "
-                                 f"[{low!r}, {self.ceiling!r}]")
-            self._lam = lam
+            self._lam = lam  # inside [floor, ceiling], the saved ones and so this run's (dual_state_problem)
         else:
             self._lam = min(max(lam, self.floor), self.ceiling)
         self.num_updates = int(state.get("num_updates", 0))
@@ -333,7 +329,28 @@ def dual_state_problem(state: Any) -> tuple[str, Any, str] | None:
         problem = number("integral", "a finite number")
         if problem is None and state.get("prev_error", _MISSING) is not None:
             problem = number("prev_error", "a finite number, or null before the first update")
-        return problem
+        if problem is not None:
+            return problem
+    return _range_problem(state, n, controller)
+
+
+def _range_problem(state: Mapping[str, Any], num_updates: int, controller: str) -> tuple[str, Any, str] | None:
+    """A multiplier of a saved controller state outside the range its own settings allow (every update clips it into
+    [floor, ceiling]; before the first update lambda may lie in [0, floor), :class:`DualController`): lam, and the pid
+    controller's integral term. The numbers are already checked to be finite."""
+    floor, ceiling = float(state["floor"]), state.get("ceiling")
+    top = math.inf if ceiling is None else float(ceiling)
+    if top < floor:
+        return "ceiling", ceiling, f"a finite number >= floor = {floor!r}, or null (no upper clip)"
+    low = 0.0 if num_updates == 0 else floor
+    for key in ("lam", "integral") if controller == "pid" else ("lam",):
+        v = float(state[key])
+        if not low <= v <= top:
+            if num_updates:
+                return key, state[key], (f"a number in [floor, ceiling] = [{low!r}, {top!r}] (the state's own floor "
+                                         "and ceiling: every dual step clips it into them)")
+            return key, state[key], (f"a number in [0, ceiling] = [0.0, {top!r}] (the state's own ceiling; before its "
+                                     f"first update it may lie below floor = {floor!r})")
     return None
 
 

@@ -1,29 +1,32 @@
 """The run's constraints beyond the mean, built from its config, and their state across a resume.
 
 :func:`build_constraints` builds what the trainer (and ``plan``) build from a config
-(:class:`laconic_nemo.core.constraints.Constraints`). :func:`restore_constraints` loads a checkpoint's constraint state into
-them: each class by its key (its budget or bin), the tail constraint by its B_tail and q; a class or tail
-constraint that differs from the checkpoint's is refused naming the keys and the checkpoint, unless the
-``checkpoint.resume_allow_changes`` entries (``class:...``, ``tail:...``; :class:`~laconic_nemo.core.CarryOver`)
-say how to carry it over. The pre-flight runs the same restore on freshly built constraints
-(:func:`check_constraints_resume`), so ``train`` refuses before any rank starts what a rank would refuse.
+(:class:`laconic_nemo.core.constraints.Constraints`). :func:`restore_constraints` loads a checkpoint's multipliers into
+them: lambda's controller, each class by its key (its budget or bin), the tail constraint by its B_tail and q; a
+class or tail constraint that differs from the checkpoint's, or lambda's controller where the checkpoint has none
+(it trained with per-prompt budgets), is refused naming the keys and the checkpoint, unless the
+``checkpoint.resume_allow_changes`` entries (``class:...``, ``tail:...``, ``lambda:reset``;
+:class:`~laconic_nemo.core.CarryOver`) say how to carry it over. The pre-flight runs the same restore on freshly built constraints
+(:func:`restore_resume_state`), so ``train`` refuses before any rank starts what a rank would refuse; a refusal names
+one ``checkpoint.resume_allow_changes`` list that accepts the whole change.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from laconic_nemo.config import Config, defaults, to_dict
+from laconic_nemo.core.constraint_state import load_lambda_state
 from laconic_nemo.core.constraints import (
     BudgetClasses,
     CarryOver,
     Constraints,
     ConstraintStateMismatch,
-    TailConstraint,
 )
-from laconic_nemo.grpo.resume import ResumeError, config_differences
+from laconic_nemo.grpo.resume import ResumeError, change_allowed, check_resume_config, config_differences
 
 # the config keys that decide the budget classes and the tail constraint (named with the carry-over entries when
 # a resume refuses a difference, so that one override accepts the whole change)
@@ -118,49 +121,87 @@ def carry_over(cfg: Config) -> CarryOver:
     return CarryOver.parse(list(cfg.checkpoint.resume_allow_changes or []))
 
 
-def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], classes: BudgetClasses | None,
-                        tail: TailConstraint | None, cfg: Config, strict: bool = True) -> None:
-    """Load ``state`` (a checkpoint's trainer state) into this run's ``classes`` and ``tail``, by key; the carry-over
-    entries of ``cfg`` decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
+class ResumeRefused(ResumeError):
+    """A difference between the checkpoint's constraints and this run's that ``checkpoint.resume_allow_changes`` can
+    accept; ``allow`` is a whole list that accepts it (the entries given, less those that cannot apply, with the
+    config keys and carry-over entries it lacks)."""
+
+    def __init__(self, message: str, allow: Sequence[str]):
+        super().__init__(message)
+        self.allow = list(allow)
+
+
+def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], constraints: Constraints, cfg: Config,
+                        strict: bool = True, allow: Sequence[str] | None = None) -> None:
+    """Load ``state`` (a checkpoint's trainer state) into this run's ``constraints``: lambda's controller
+    (:func:`~laconic_nemo.core.constraint_state.load_lambda_state`), each budget class by its key, the tail constraint
+    by its settings; the carry-over entries of ``allow`` (default: ``cfg``'s ``checkpoint.resume_allow_changes``)
+    decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
 
     A constraint the checkpoint has and this run lacks is dropped (turning it off is a config change that
-    ``checkpoint.resume_allow_changes`` must accept). Raises :class:`~laconic_nemo.grpo.resume.ResumeError`: one
-    line naming the checkpoint, the keys that differ and the entries that would accept them."""
+    ``checkpoint.resume_allow_changes`` must accept). Raises :class:`ResumeRefused`: one line naming the checkpoint,
+    what differs and a ``checkpoint.resume_allow_changes`` list that accepts it; ResumeError for a setting that
+    differs (``strict``) or another shaper."""
+    allow = list(cfg.checkpoint.resume_allow_changes or []) if allow is None else list(allow)
+    carry = CarryOver.parse(allow)
     saved = state.get("constraints") or {}
-    carry = carry_over(cfg)
-    problems, entries = [], []
-    for mine, name in ((classes, "classes"), (tail, "tail")):
-        if mine is None:
-            continue
-        carry_how = carry if name == "classes" else carry.tail
+    classes, tail = constraints.classes, constraints.tail
+    problems, entries, drop = [], [], []
+    steps = [(lambda: load_lambda_state(cfg.laconic.shaper, constraints.dual, state, carry, strict=strict))]
+    steps += [functools.partial(mine.load_state_dict, saved.get(name), strict=strict,
+                                carry=carry if name == "classes" else carry.tail)
+              for mine, name in ((classes, "classes"), (tail, "tail")) if mine is not None]
+    for restore in steps:
         try:
-            mine.load_state_dict(saved.get(name), strict=strict, carry=carry_how)
+            restore()
         except ConstraintStateMismatch as exc:
             problems.append(str(exc))
             entries += exc.entries
+            drop += exc.drop
         except ValueError as exc:  # settings that differ (strict), or a value the checks let through
             raise ResumeError(f"cannot resume from {ckpt}: {exc}") from None
     if problems:
         differ = {k for k, _, _ in config_differences(state.get("config") or {}, to_dict(cfg), defaults())}
-        behind = (CLASS_KEYS if classes is not None else ()) + (TAIL_KEYS if tail is not None else ())
+        behind = (CLASS_KEYS if classes is not None or constraints.dual is not None else ()) + \
+            (TAIL_KEYS if tail is not None else ())
         keys = [k for k in behind if k in differ]
-        allowed = list(cfg.checkpoint.resume_allow_changes or [])
         entries = list(dict.fromkeys(entries))
         other = ""
         if "tail:carry" in entries and "tail:reset" in entries:  # two ways for one tail: offer the first
             entries.remove("tail:reset")
             other = " (tail:reset instead of tail:carry starts mu at laconic.tail_init)"
-        accept = allowed + [k for k in keys if k not in allowed] + entries
-        raise ResumeError(f"cannot resume from {ckpt}: {'; '.join(problems)}. To carry the state over, resume with "
-                          f"checkpoint.resume_allow_changes=[{','.join(accept)}]{other} (how each entry carries it: "
-                          "docs/reliability.md), or with the checkpoint's settings")
+        if any(e.endswith("=" + CarryOver.LAMBDA) for e in entries):
+            other += " (lambda:reset instead starts lambda at laconic.lambda_init)"
+        accept = [a for a in allow if a not in drop] + [k for k in keys if not change_allowed(k, allow)] + entries
+        raise ResumeRefused(f"cannot resume from {ckpt}: {'; '.join(problems)}. To carry the state over, resume with "
+                            f"checkpoint.resume_allow_changes=[{','.join(accept)}]{other} (how each entry carries it: "
+                            "docs/reliability.md), or with the checkpoint's settings", accept)
 
 
-def check_constraints_resume(ckpt: str | Path, state: Mapping[str, Any], cfg: Config) -> None:
-    """The pre-flight's copy of a rank's restore: build this run's constraints from ``cfg`` and restore ``state``
-    into them (:func:`restore_constraints`); ResumeError as a rank would raise it."""
-    built = build_constraints(cfg, run_budgets(cfg))
-    restore_constraints(ckpt, state, built.classes, built.tail, cfg, strict=resume_strict(state, cfg))
+def restore_resume_state(ckpt: str | Path, state: Mapping[str, Any], cfg: Config,
+                         constraints: Constraints | None = None) -> None:
+    """What a resume checks of a checkpoint's trainer ``state`` before its model is loaded, the same in the pre-flight
+    and in every rank: the config differences (:func:`~laconic_nemo.grpo.resume.check_resume_config`), then the
+    multipliers restored into ``constraints`` (the trainer's; None: freshly built from ``cfg``, as the pre-flight
+    checks them) by :func:`restore_constraints`. A config refusal names the ``checkpoint.resume_allow_changes`` list
+    that accepts the constraints' state too (with the carry-over entries the change needs), so that the list it
+    names passes."""
+    allow = list(cfg.checkpoint.resume_allow_changes or [])
+    strict = resume_strict(state, cfg)
+
+    def accepting(keys: list[str]) -> list[str]:
+        try:
+            restore_constraints(ckpt, state, build_constraints(cfg, run_budgets(cfg)), cfg, strict=strict, allow=keys)
+        except ResumeRefused as exc:
+            return exc.allow
+        except (ResumeError, ValueError):  # another refusal: the config keys are all this list can say
+            pass
+        return keys
+
+    check_resume_config(ckpt, state.get("config", {}), to_dict(cfg), allow, defaults(), suggest=accepting)
+    if constraints is None:
+        constraints = build_constraints(cfg, run_budgets(cfg))
+    restore_constraints(ckpt, state, constraints, cfg, strict=strict, allow=allow)
 
 
 def resume_strict(state: Mapping[str, Any], cfg: Config) -> bool:

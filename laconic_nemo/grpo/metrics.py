@@ -24,7 +24,8 @@ A dashboard never costs a step or a run: a dashboard that cannot be opened or wr
 be written, a full disk, W&B's service gone) is named once on the console and in the run notes of
 ``metrics.jsonl`` (the ``notes`` list of the row of the step when it failed: what, where and why), left out for
 the rest of the session, and training goes on; ``laconic-nemo train`` checks the folders before it starts
-(:func:`laconic_nemo.plan.preflight.check_dashboard_dirs`).
+(:func:`laconic_nemo.plan.preflight.check_dashboard_dirs`). W&B, which does not report a write it could not make,
+is checked by :class:`WandbSink` itself (:mod:`laconic_nemo.grpo.wandb_writes`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from laconic_nemo.config import ConfigError, to_dict
+from laconic_nemo.grpo.wandb_writes import LogWriteErrors, no_space
 from laconic_nemo.runtime.faults import armed, fire
 
 WANDB_STATE = "laconic_run.json"
@@ -253,19 +255,37 @@ class WandbSteps:
 
 class WandbSink:
     """A Weights & Biases run (``wandb.init``: project, name, entity, mode online | offline, files under
-    ``<out>/wandb``), resumed under the id of :class:`WandbSteps` (``resume="allow"``)."""
+    ``<out>/wandb``), resumed under the id of :class:`WandbSteps` (``resume="allow"``).
+
+    W&B does not say when it cannot write its files (:mod:`laconic_nemo.grpo.wandb_writes`): the sink checks after
+    opening the run and before each step it hands W&B that its own log met no write error and its folder has space
+    left, and raises the OSError otherwise (:class:`MetricsWriter` names it once and :meth:`abandon` s the run); W&B's
+    log errors never reach the console."""
 
     def __init__(self, out: str | Path, project: str, name: str, mode: str, entity: str | None = None,
                  config: dict | None = None):
         import wandb
 
+        self.log_errors = LogWriteErrors.install()
+        self.seen = len(self.log_errors.errors)  # errors of an earlier run of this process are not this one's
         self.steps = WandbSteps(out)
         self.run = wandb.init(project=project, name=name, entity=entity, mode=mode, dir=str(out),
                               id=self.steps.run_id, resume="allow", config=config)
+        try:
+            self.check()
+        except OSError:
+            self.abandon()
+            raise
         self.steps.held(int(getattr(self.run, "starting_step", 0) or 0))
 
     def describe(self) -> str:
         return f"W&B run {self.steps.run_id} ({self.run.settings.mode}, files in {self.steps.folder})"
+
+    def check(self) -> None:
+        """Raise the OSError W&B's log met writing since this run started, or ENOSPC when W&B's folder is full."""
+        error = self.log_errors.since(self.seen) or no_space(self.steps.folder)
+        if error is not None:
+            raise error
 
     def catch_up(self, rows: list[dict[str, Any]]) -> list[int]:
         """Send the rows of ``metrics.jsonl`` (the steps this session resumes after) that W&B does not hold: the
@@ -273,6 +293,7 @@ class WandbSink:
         return _catch_up(self, self.steps, rows)
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
+        self.check()
         if self.steps.take(step):
             self.run.log(dict(scalars), step=step)
 
@@ -281,6 +302,17 @@ class WandbSink:
 
         self.run.finish()
         wandb.teardown()  # waits for W&B's service to write out the run (offline: its run file) before returning
+        self.check()
+
+    def abandon(self) -> None:
+        """End the run of a sink that failed, quietly (it was named once; what W&B meets now is not news)."""
+        import wandb
+
+        for end in (self.run.finish, wandb.teardown):
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - the sink is left out already
+                pass
 
 
 class FailedSink:
@@ -471,13 +503,16 @@ class MetricsWriter:
                           f"{self.out / 'metrics.jsonl'} (it did not hold them)", flush=True)
 
     def _failed(self, sink: MetricSink, what: str, exc: BaseException, step: int) -> None:
-        """Name a dashboard that failed, once (console and the run notes), and leave it out from here on."""
+        """Name a dashboard that failed, once (console and the run notes), and leave it out from here on (one that
+        holds a run, W&B, ends it quietly)."""
         note = (f"dashboard {sink.describe()} {what} at step {step}: {type(exc).__name__}: {exc}; training goes on "
                 "without it for the rest of this session")
         print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)
         self.notes.append(note)
         if sink in self.sinks:
             self.sinks.remove(sink)
+            if hasattr(sink, "abandon"):
+                sink.abandon()
 
     def write(self, m: dict[str, Any]):
         """Send the step's row to the dashboards, append it to ``metrics.jsonl`` (with the run notes of this step,
@@ -502,9 +537,10 @@ class MetricsWriter:
                 fire(action)
             f.write(line)
         if m["step"] % self.log_every == 0 or m["step"] == self.num_steps:
+            lam, budgets = multipliers_text(m)
             print(
-                f"step {m['step']:>4}/{self.num_steps} | lambda {m['lambda']:.4f} | "
-                f"mean_len {m['mean_response_length']:7.1f} (B {m['budget']:.0f}) | "
+                f"step {m['step']:>4}/{self.num_steps} | {lam} | "
+                f"mean_len {m['mean_response_length']:7.1f} (B {budgets or format(m['budget'], '.0f')}) | "
                 f"task_reward {m['task_reward']:.3f} | over_budget {m['frac_over_budget']:.2f} | "
                 f"{m['step_seconds']:.2f}s | eta {self.clock.eta(int(m['step']))}",
                 flush=True,
@@ -560,6 +596,33 @@ class MetricsWriter:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
         return kept
+
+
+CLASS_LAMBDA = "laconic/lambda/class_"  # a budget class's multiplier in a row (core.constraints.Constraints.step)
+MU_TAIL = "laconic/mu_tail"
+LISTED_CLASSES = 4  # more classes than this are shown as the range of their multipliers and budgets
+
+
+def multipliers_text(row: dict[str, Any], digits: int = 4) -> tuple[str, str | None]:
+    """The multipliers of a row (or of a resumed run's constraints, named as in a row) for a console line, and the
+    budgets they hold: ``("lambda 0.1234", None)`` for lambda alone (its budget is the row's ``budget``); with
+    budget classes (lambda is then unused) each class's multiplier and the classes' budgets, ``("lambda 22:0.1234
+    40:0.0000", "22, 40")``, or over more than :data:`LISTED_CLASSES` classes their range, ``("lambda
+    0.0000..0.5123 over 6 classes", "16-40")``; ``mu`` of a tail constraint after them."""
+    classes = {k[len(CLASS_LAMBDA):]: float(v) for k, v in row.items() if k.startswith(CLASS_LAMBDA)}
+    if not classes:
+        text, budgets = f"lambda {float(row['lambda']):.{digits}f}", None
+    elif len(classes) <= LISTED_CLASSES:
+        text = "lambda " + " ".join(f"{name}:{v:.{digits}f}" for name, v in classes.items())
+        budgets = ", ".join(classes)
+    else:
+        lo, hi = min(classes.values()), max(classes.values())
+        text = f"lambda {lo:.{digits}f}..{hi:.{digits}f} over {len(classes)} classes"
+        edges = [float(x) for name in classes for x in name.split("-")]  # a class key: its budget, or its bin lo-hi
+        budgets = f"{min(edges):g}-{max(edges):g}"
+    if row.get(MU_TAIL) is not None:
+        text += f" | mu {float(row[MU_TAIL]):.{digits}f}"
+    return text, budgets
 
 
 def _span(steps: list[int]) -> str:

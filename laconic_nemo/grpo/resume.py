@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from laconic_nemo.config import Config, ConfigError, build_config
 from laconic_nemo.core import classes_state_problem, shaper_problem, tail_state_problem
@@ -278,7 +278,9 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def _allowed(key: str, allow: list[str]) -> bool:
+def change_allowed(key: str, allow: list[str]) -> bool:
+    """A config key that may differ from the checkpoint's: operational (:data:`ALWAYS_ALLOWED`), or named in ``allow``
+    (``checkpoint.resume_allow_changes``) itself or by a section above it."""
     return any(key == a or (a.endswith(".") and key.startswith(a)) for a in (*ALWAYS_ALLOWED, *allow)) or any(
         key.startswith(a + ".") for a in allow)
 
@@ -296,17 +298,22 @@ def config_differences(saved: dict, now: dict, defaults: dict | None = None) -> 
 
 
 def check_resume_config(ckpt: str | Path, saved: dict, now: dict, allow: list[str],
-                        defaults: dict | None = None) -> list[tuple[str, Any, Any]]:
-    """Raise ResumeError listing every difference not allowed; return the allowed ones."""
+                        defaults: dict | None = None,
+                        suggest: Callable[[list[str]], list[str]] | None = None) -> list[tuple[str, Any, Any]]:
+    """Raise ResumeError listing every difference not allowed; return the allowed ones. The refusal names the
+    ``checkpoint.resume_allow_changes`` list that accepts them: ``allow`` and the keys refused, or what ``suggest``
+    makes of that list (the carry-over entries the change then needs as well, so that the list given passes)."""
     diffs = config_differences(saved, now, defaults)
-    refused = [d for d in diffs if not _allowed(d[0], allow)]
+    refused = [d for d in diffs if not change_allowed(d[0], allow)]
     if refused:
         lines = "\n".join(f"  {k}: checkpoint {_show(old)} -> this run {_show(new)}" for k, old, new in refused)
-        keys = ",".join(k for k, _, _ in refused)
+        accept = [*allow, *(k for k, _, _ in refused)]
+        if suggest is not None:
+            accept = suggest(accept)
         raise ResumeError(
             f"cannot resume from {ckpt}: this run's config differs from the checkpoint's in {len(refused)} "
             f"key(s):\n{lines}\nResume with the checkpoint's values, or accept the change with "
-            f"checkpoint.resume_allow_changes=[{keys}], or start a fresh run in another run.output_dir.")
+            f"checkpoint.resume_allow_changes=[{','.join(accept)}], or start a fresh run in another run.output_dir.")
     return diffs
 
 

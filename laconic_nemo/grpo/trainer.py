@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from laconic_nemo.config import Config, check_layout, defaults, state_target, to_dict, to_yaml
+from laconic_nemo.config import Config, check_layout, state_target, to_dict, to_yaml
 from laconic_nemo.core import (
     CORRECT,
     BudgetClasses,
@@ -46,7 +46,6 @@ from laconic_nemo.core import (
     class_report,
     cost_lengths,
     group_advantages,
-    load_shaper_state,
     report_counts,
     shape,
     shaper_state,
@@ -60,7 +59,7 @@ from laconic_nemo.grpo.checkpoint import (
     dist_ready,
     find_resume_checkpoint,
 )
-from laconic_nemo.grpo.constraints import restore_constraints, resume_strict, trainer_constraints
+from laconic_nemo.grpo.constraints import restore_resume_state, trainer_constraints
 from laconic_nemo.grpo.interfaces import (
     GenerationOutput,
     PolicyActor,
@@ -69,7 +68,8 @@ from laconic_nemo.grpo.interfaces import (
     response_mask,
 )
 from laconic_nemo.grpo.loss import make_grpo_loss_fn
-from laconic_nemo.grpo.metrics import MetricSink, MetricsWriter, build_sinks
+from laconic_nemo.grpo.metrics import CLASS_LAMBDA, MU_TAIL, MetricSink, MetricsWriter, build_sinks, multipliers_text
+from laconic_nemo.runtime.cpu_isa import cpu_isa, kernels_note, runs_on_cpu
 from laconic_nemo.runtime.faults import fault_point, heartbeat
 from laconic_nemo.runtime.stop_signals import STOP_SIGNALS, handle_stop_signals  # noqa: F401 - STOP_SIGNALS: the trainer's, also read from here
 
@@ -261,6 +261,9 @@ class GRPOTrainer:
         self.stop = StopSignals()
         self.history: list[dict] = []
         self.longest_step_s: float | None = None  # wall time of the longest step of this process
+        # what this process's CPU kernels run with (a CPU run's checkpoints record it; a resume compares it)
+        self.kernels = cpu_isa() if runs_on_cpu(cfg.parallel.backend) else None
+        self.resume_notes: list[str] = []  # said once on the console and in the resumed row's notes (rank 0)
 
     @property
     def dual(self) -> DualController | None:
@@ -471,7 +474,18 @@ class GRPOTrainer:
         constraints = self.constraints.state_dict()
         if constraints is not None:
             state["constraints"] = constraints
+        if self.kernels is not None:
+            state["cpu_isa"] = self.kernels
         return state
+
+    def _multipliers(self) -> dict[str, float]:
+        """The multipliers of the next step, named as in a metrics row (lambda, each class's, the tail's mu)."""
+        out = {"lambda": self.lam}
+        if self.classes is not None:
+            out.update({CLASS_LAMBDA + name: v for name, v in zip(self.classes.names, self.classes.values())})
+        if self.tail is not None:
+            out[MU_TAIL] = self.tail.value
+        return out
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint of a completed ``step`` (1-based count of finished steps)."""
@@ -486,9 +500,9 @@ class GRPOTrainer:
     def load_checkpoint(self, path: Path) -> int:
         """Restore the checkpoint ``path`` (its values already checked, :func:`~laconic_nemo.grpo.resume.choose_checkpoint`)
         into this rank: the multipliers first (lambda; each budget class by its key and the tail constraint by its
-        settings, :func:`~laconic_nemo.grpo.constraints.restore_constraints`), then the model shard and RNG state.
+        settings, :func:`~laconic_nemo.grpo.constraints.restore_resume_state`), then the model shard and RNG state.
         Returns the checkpoint's step. ResumeError (one line naming the checkpoint) where it cannot be resumed."""
-        from laconic_nemo.grpo.resume import ResumeError, check_resume_config, read_trainer_state
+        from laconic_nemo.grpo.resume import ResumeError, read_trainer_state
 
         state = read_trainer_state(path)
         if state["dp_size"] != self.actor.dp_size or state["world_size"] != self.world:
@@ -496,16 +510,12 @@ class GRPOTrainer:
                 f"checkpoint {path} was written with world size {state['world_size']} (DP {state['dp_size']}); "
                 f"this run has world size {self.world} (DP {self.actor.dp_size}): resume with the same layout"
             )
-        check_resume_config(path, state.get("config", {}), to_dict(self.cfg),
-                            list(self.cfg.checkpoint.resume_allow_changes or []), defaults())
-        # a LACONIC key allowed to change: the controllers keep this run's settings (multipliers clipped into them)
-        strict = resume_strict(state, self.cfg)
-        try:
-            load_shaper_state(self.cfg.laconic.shaper, self.dual, state["shaper"], strict=strict)
-        except ValueError as exc:
-            raise ResumeError(f"cannot resume from {path}: {exc}") from None
-        restore_constraints(path, state, self.classes, self.tail, self.cfg, strict=strict)
+        # the config, then the multipliers (a LACONIC key allowed to change: the controllers keep this run's settings,
+        # the multipliers clipped into them)
+        restore_resume_state(path, state, self.cfg, self.constraints)
         self.checkpoints.load(path, self.actor)
+        note = None if self.kernels is None else kernels_note(state.get("cpu_isa"), self.kernels, str(path))
+        self.resume_notes = [note] if note else []
         return int(state["step"])
 
     # ------------------------------------------------------------------ main loop
@@ -519,7 +529,12 @@ class GRPOTrainer:
         if resume is not None:
             self.step = self.load_checkpoint(resume)
             if self.is_logger:
-                print(f"resumed from {resume} at step {self.step} (lambda {self.lam:.6f})", flush=True)
+                lam, budgets = multipliers_text(self._multipliers(), digits=6)
+                print(f"resumed from {resume} at step {self.step} ({lam}{f'; B {budgets}' if budgets else ''})",
+                      flush=True)
+                for note in self.resume_notes:
+                    print(f"laconic-nemo train: {note}", file=sys.stderr, flush=True)
+                self.metrics.notes += self.resume_notes
         self.metrics.start(self.step, self._metric_sinks(self.step) if self.is_logger else None, resume)
         try:
             return self._train_loop()

@@ -12,6 +12,8 @@ in the context), and what the trainer builds before step 1 without a GPU
 ``train`` calls :func:`preflight_train` in the launcher (or, under torchrun / srun, in every rank
 before torch.distributed starts), which adds what only a training run on this machine needs:
 
+* no live run holds the output folder (its ``run.lock``, :mod:`laconic_nemo.runtime.run_lock`; the launcher then
+  takes it before it starts a rank, and holds it until the run ends);
 * this host can run the layout (``parallel.backend = nccl`` needs CUDA devices, one per local rank;
   ``train`` runs the megatron-core actor, so ``model.source`` is synthetic or hf);
 * the output folder (and the warm-up cache) is a writable folder, or can be created, and no name the
@@ -44,12 +46,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from laconic_nemo.config import Config, ConfigError, defaults, to_dict
-from laconic_nemo.grpo.constraints import check_constraints_resume
+from laconic_nemo.config import Config, ConfigError
+from laconic_nemo.grpo.constraints import restore_resume_state
 from laconic_nemo.grpo.resume import (
     METRICS_COPY,
     ResumeError,
-    check_resume_config,
     missing_steps,
     read_metrics,
     read_trainer_state,
@@ -212,10 +213,8 @@ def check_resume(cfg: Config, world_size: int, notes: list[str] | None = None) -
         if "dp_size" in state and int(state["dp_size"]) != world_size // (tp * pp):
             raise ConfigError(f"cannot resume from {ckpt}: it was written with DP {state['dp_size']} and this run has "
                               f"DP {world_size // (tp * pp)}; resume with the checkpoint's layout")
-        check_resume_config(ckpt, state.get("config", {}), to_dict(cfg),
-                            list(cfg.checkpoint.resume_allow_changes or []),
-                            defaults())
-        check_constraints_resume(ckpt, state, cfg)  # each class by its key, the tail by its settings
+        # the config differences, then lambda, each class by its key and the tail by its settings, as a rank does
+        restore_resume_state(ckpt, state, cfg)
         lost = missing_steps(rows, int(state.get("step", 0)))
         if lost and not (ckpt / METRICS_COPY).is_file():
             raise ConfigError(f"{metrics} lacks the rows of {len(lost)} of the {state['step']} steps of {ckpt} "
@@ -230,7 +229,12 @@ def preflight_train(cfg: Config, world_size: int, local_world_size: int | None =
     """Every check before ranks start (see the module docstring); returns the checkpoint to resume or None.
     Prints a line for each damaged checkpoint skipped."""
     from laconic_nemo.grpo.metrics import check_sinks
+    from laconic_nemo.runtime.run_lock import OutputDirLocked, check_free
 
+    try:  # a live run in this output dir: nothing else to check
+        check_free(cfg.run.output_dir)
+    except OutputDirLocked as exc:
+        raise ConfigError(str(exc)) from None
     local = int(local_world_size or world_size)
     nodes = max(1, world_size // local)
     check_recipe(cfg, nodes, local, check_paths=True, cluster=False)

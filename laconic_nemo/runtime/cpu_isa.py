@@ -55,6 +55,13 @@ def is_x86_64() -> bool:
     return platform.machine().lower() in X86_64
 
 
+def runs_on_cpu(backend: str) -> bool:
+    """A run's kernels run on the CPU: the gloo backend, or no CUDA device (``parallel.backend`` auto)."""
+    import torch
+
+    return backend == "gloo" or not torch.cuda.is_available()
+
+
 def pin_cpu_isa(env: MutableMapping[str, str] | None = None, cpu: bool = True) -> dict[str, str]:
     """Write the pin of ``LACONIC_CPU_ISA`` into ``env`` (default ``os.environ``) when the run is on the CPU
     (``cpu``) of an x86-64 machine; returns the variables set (empty: nothing pinned). It must happen before
@@ -118,3 +125,22 @@ def describe(isa: dict[str, Any]) -> str:
     text = (f"ATen {isa['aten']}, MKL_CBWR={isa.get('mkl_cbwr') or 'unset'}, "
             f"ONEDNN_MAX_CPU_ISA={isa.get('onednn_max_cpu_isa') or 'unset'}")
     return text + (f", {isa['cpu']}" if "cpu" in isa else "")
+
+
+def setting_of(isa: dict[str, Any]) -> str:
+    """The ``LACONIC_CPU_ISA`` a :func:`cpu_isa` record was made under: its pin, else ``native`` (or a machine the pin
+    does not apply to)."""
+    return f"{ISA_ENV}={isa['pin']}" if isa.get("pin") else f"{ISA_ENV}=native or a machine without the pin"
+
+
+def kernels_note(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> str | None:
+    """One line when a resumed run's CPU kernels (``now``, :func:`cpu_isa`) are not those the checkpoint ``where`` was
+    written with (``saved``, its record; None: not recorded, nothing to compare): what each ran with. A preempted job
+    may come back on another machine or setting, so this is said, never refused: the steps from here round otherwise
+    than those of a run that kept the checkpoint's kernels."""
+    if not isinstance(saved, dict) or "aten" not in saved or saved == now:  # no record (or not one of ours)
+        return None
+    return (f"resumed under other CPU kernels than the checkpoint's: {where} was written with {describe(saved)} "
+            f"({setting_of(saved)}), this process runs with {describe(now)} ({setting_of(now)}); its steps from here "
+            "round otherwise than those of a run that kept the checkpoint's kernels")
+

@@ -1,4 +1,7 @@
-"""One run per output directory: ``<run.output_dir>/run.lock``, held by rank 0 while a run trains.
+"""One run per output directory: ``<run.output_dir>/run.lock``, held while a run trains: by ``laconic-nemo train``'s
+launcher (or lone process) from the end of its pre-flight, before any rank starts, to the run's end; under torchrun /
+srun by rank 0. The pre-flight refuses a folder a live run holds (:func:`check_free`), so a second run is refused
+with one line before anything starts.
 
 The lock file is JSON naming its holder: host, pid, the process start time (``/proc/<pid>/stat``, so a
 recycled pid is not taken for the holder), the boot id, the Slurm job id and restart count, and when it

@@ -119,14 +119,22 @@ def carry_over(cfg: Config) -> CarryOver:
 
 
 def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], classes: BudgetClasses | None,
-                        tail: TailConstraint | None, cfg: Config, strict: bool = True) -> None:
+                        tail: TailConstraint | None, cfg: Config, strict: bool = True,
+                        constraints: Constraints | None = None) -> None:
     """Load ``state`` (a checkpoint's trainer state) into this run's ``classes`` and ``tail``, by key; the carry-over
-    entries of ``cfg`` decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
+    entries of ``cfg`` decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`). The band's
+    lower bounds come with their classes; ``constraints``: the run's constraints, whose band of the mean-length
+    constraint (a run without per-prompt budgets) is restored too (:meth:`Constraints.load_band_state`).
 
     A constraint the checkpoint has and this run lacks is dropped (turning it off is a config change that
     ``checkpoint.resume_allow_changes`` must accept). Raises :class:`~laconic_nemo.grpo.resume.ResumeError`: one
     line naming the checkpoint, the keys that differ and the entries that would accept them."""
     saved = state.get("constraints") or {}
+    if constraints is not None:
+        try:
+            constraints.load_band_state(saved.get("band"), strict=strict)
+        except ValueError as exc:
+            raise ResumeError(f"cannot resume from {ckpt}: {exc}") from None
     carry = carry_over(cfg)
     problems, entries = [], []
     for mine, name in ((classes, "classes"), (tail, "tail")):
@@ -160,7 +168,7 @@ def check_constraints_resume(ckpt: str | Path, state: Mapping[str, Any], cfg: Co
     """The pre-flight's copy of a rank's restore: build this run's constraints from ``cfg`` and restore ``state``
     into them (:func:`restore_constraints`); ResumeError as a rank would raise it."""
     built = build_constraints(cfg, run_budgets(cfg))
-    restore_constraints(ckpt, state, built.classes, built.tail, cfg, strict=resume_strict(state, cfg))
+    restore_constraints(ckpt, state, built.classes, built.tail, cfg, strict=resume_strict(state, cfg), constraints=built)
 
 
 def resume_strict(state: Mapping[str, Any], cfg: Config) -> bool:

@@ -8,17 +8,14 @@ row (every multiplier included)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_e2e import FAST, TINY, clean_env, metrics, strip_timing
+from tests.test_constraints_e2e import assert_rerun_is_uninterrupted, uninterrupted_and_killed
+from tests.test_trainer_e2e import FAST, TINY, metrics
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 RHO, ETA, CEILING, ETA_LO = 0.9, 0.5, 2.0, 0.4
 BAND = [
     "--nprocs", "2", TINY, *FAST, "parallel.tensor_model_parallel_size=1", "run.num_steps=4",
@@ -28,27 +25,9 @@ BAND = [
 ]
 
 
-def train(args, out, fault=None, check=True):
-    env = clean_env()
-    if fault:
-        env["LACONIC_FAULT"] = fault
-    cmd = [sys.executable, "-m", "laconic_nemo", "train", *args, f"run.output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("band")
-    cache = f"warmup.cache_dir={tmp / 'cache'}"
-    full, cut = tmp / "full", tmp / "cut"
-    train([*BAND, cache], full)
-    killed = train([*BAND, cache], cut, fault="after_checkpoint@2:0:kill", check=False)
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    rerun = train([*BAND, cache], cut)
-    return full, cut, rerun
+    return uninterrupted_and_killed(BAND, tmp_path_factory.mktemp("band"))
 
 
 def test_both_multipliers_follow_the_float64_dual_step_and_agree_across_ranks(runs):
@@ -81,9 +60,4 @@ def test_both_multipliers_follow_the_float64_dual_step_and_agree_across_ranks(ru
 
 
 def test_kill_and_rerun_give_the_uninterrupted_band_run(runs):
-    full, cut, rerun = runs
-    assert "resumed from" in rerun.stdout
-    a, b = metrics(full), metrics(cut)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a, b):
-        assert strip_timing(ra) == strip_timing(rb), f"step {ra['step']} differs after kill and rerun"
+    assert_rerun_is_uninterrupted(*runs)

@@ -277,10 +277,10 @@ def test_the_stated_budget_block_says_when_the_per_prompt_run_is_left_out(tmp_pa
     cls = {"ratio": (1.2, 1.05), "within_10": 0.5, "over_budget": 0.4, "pass@1": (0.3, 0.6), "lambda": [0.1, 0.2]}
     runs = [("LACONIC", {"20": cls}, 70)]
     evals = [("LACONIC", [{"budget": 20, "mean_length": 21.0, "length_ratio": 1.05, "pass@1": 0.6,
-                           "within_10": 0.5, "over_budget": 0.4, "n": 32}])]
+                           "within_10": 0.5, "in_band": 0.3, "over_budget": 0.4, "n": 32}])]
     text = sb.block(runs, evals, None, [20], made, args, 70)
     assert "(`tiny_cpu_per_prompt.yaml`): not measured in this block" in text
-    assert "`PYTHONPATH=. python benchmarks/stated_budgets.py --write --skip-per-prompt`" in text
+    assert "`LACONIC_CPU_ISA=avx2 PYTHONPATH=. python benchmarks/stated_budgets.py --write --skip-per-prompt`" in text
     assert "budget class (B_i" not in text
     held = {"length_ratio": 0.97, "within_10": 0.6, "over_budget": 0.3, "pass@1": 0.7}
     text = sb.block(runs, evals, ({"16-24": cls}, {"16-24": held}, {"16-24": held}), [20], made, args, 70)
@@ -346,3 +346,38 @@ def test_stated_budgets_on_math_report_the_band_with_the_transformers_backend(tm
     table = capsys.readouterr().out
     assert "share in band [0.5 B, B]" in table and "| 8 |" in table
     assert (out / "stated_budgets.png").stat().st_size > 1000
+
+
+def test_the_stated_budget_block_measures_the_band_run_against_its_targets(tmp_path):
+    """benchmarks/stated_budgets.py: the held-out adherence per policy (mean L / B and pass@1 at each budget from
+    the smallest to the largest trained one, the least-squares slope of length over budget, hand-worked here) and
+    the line that says where the band run meets its targets and where not; the kernels named in the last line."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import stated_budgets as sb
+
+    def rows(lengths, passes):
+        return [{"budget": b, "mean_length": x, "length_ratio": x / b, "pass@1": p, "within_10": 0.5, "in_band": 0.5,
+                 "over_budget": 0.1, "n": 8} for b, x, p in zip((15, 20, 25, 30, 40), lengths, passes)]
+
+    upper = rows([14.0, 21.0, 24.0, 24.0, 30.0], [0.3, 0.6, 0.7, 0.60, 0.7])
+    # budgets 20, 25, 30 (trained 20 and 30; 25 between): lengths 19, 24.5, 29 -> slope (29 - 19) / 10 = 1.0
+    band = rows([14.0, 19.0, 24.5, 29.0, 31.0], [0.3, 0.6, 0.7, 0.65, 0.7])
+    assert sb.slope(band, [20, 30]) == pytest.approx(1.0)
+    # 21, 24, 24: mean x 25, mean y 23; sum (x - 25)(y - 23) = -5 * -2 + 0 + 5 * 1 = 15, over 50 -> 0.3
+    assert sb.slope(upper, [20, 30]) == pytest.approx(0.3)
+    labels = (sb.RUNS[0][3], sb.RUNS[sb.BAND_RUN][3])
+    evals = [(labels[0], upper), (labels[1], band)]
+    table = "\n".join(sb.adherence_table(evals, [20, 30]))
+    assert "| policy | mean L / B at 20 | 25 (between) | 30 |" in table
+    assert f"| {labels[1]} | 0.95, 0.98, 0.97 | 0.600, 0.700, 0.650 | 1.00 |" in table
+    line = sb.verdict(dict(evals), [20, 30], labels[1], labels[0])
+    assert "met at all of them" in line and "Slope of length over budget 1.00 (target >= 0.8: met)" in line
+    assert "20: 0.600 vs 0.600 (met); 30: 0.650 vs 0.600 (met)" in line
+    short = rows([14.0, 17.0, 24.5, 24.0, 31.0], [0.3, 0.6, 0.7, 0.5, 0.7])
+    line = sb.verdict({labels[0]: upper, labels[1]: short}, [20, 30], labels[1], labels[0])
+    assert "met at 25; not at 20 (0.85), 30 (0.80)" in line and "30: 0.500 vs 0.600 (not met)" in line
+    assert "Slope of length over budget 0.70 (target >= 0.8: not met)" in line  # (-5)(-4.83) + 5 (2.17) = 35, / 50
+    made = {"cpu_isa": {"pin": None, "aten": "AVX512"}}
+    assert sb.kernels(made) == "native" and sb.kernels({"cpu_isa": {"pin": "avx2"}}) == "avx2"

@@ -234,7 +234,7 @@ def adherence_table(evals: list[tuple[str, list[dict]]], trained: list[int]) -> 
     """Per policy: held-out mean L / B and pass@1 at each budget from the smallest to the largest trained one, and
     the slope of length over budget."""
     inside = [r["budget"] for r in evals[0][1] if min(trained) <= r["budget"] <= max(trained)]
-    head = " | ".join(f"{b}{'' if b in trained else ' (between)'}" for b in inside)
+    head = ", ".join(f"{b}{'' if b in trained else ' (between)'}" for b in inside)
     lines = [f"| policy | mean L / B at {head} | pass@1 at {head} | slope of length over budget |",
              "| --- | --- | --- | --- |"]
     for label, rows in evals:
@@ -347,17 +347,17 @@ def plot_training(path: Path, runs: list[tuple[str, list[dict]]]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes[-1]
-    for i, (label, rows) in enumerate(runs):
+    named = set()
+    for i, (_label, rows) in enumerate(runs):
         steps = [r["step"] for r in rows]
         for j, name in enumerate(class_names(rows)):
-            color = f"C{j}"
-            if any(f"laconic/lambda/class_{name}" in r for r in rows):
-                ax.plot(steps, [r.get(f"laconic/lambda/class_{name}", math.nan) for r in rows], color=color,
-                        ls="-" if i == 0 else "-.", lw=1, label=f"{label[:12]}: lambda, {name}")
-            if any(f"laconic/lambda_lo/class_{name}" in r for r in rows):
-                ax.plot(steps, [r.get(f"laconic/lambda_lo/class_{name}", math.nan) for r in rows], color=color,
-                        ls="--", lw=1, label=f"{label[:12]}: lambda_lo, {name}")
-    ax.set_title("class multipliers", fontsize=9)
+            for key, ls in (("lambda", "-" if i == 0 else "-."), ("lambda_lo", "--")):
+                if any(f"laconic/{key}/class_{name}" in r for r in rows):
+                    ax.plot(steps, [r.get(f"laconic/{key}/class_{name}", math.nan) for r in rows], color=f"C{j}",
+                            ls=ls, lw=1, label=None if name in named else f"budget {name}")
+                    named.add(name)
+    ax.set_title("multipliers: solid lambda (upper-bound run),\ndash-dot lambda and dashed lambda_lo (band run)",
+                 fontsize=8)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

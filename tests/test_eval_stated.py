@@ -370,7 +370,7 @@ def test_the_stated_budget_block_measures_the_band_run_against_its_targets(tmp_p
     labels = (sb.RUNS[0][3], sb.RUNS[sb.BAND_RUN][3])
     evals = [(labels[0], upper), (labels[1], band)]
     table = "\n".join(sb.adherence_table(evals, [20, 30]))
-    assert "| policy | mean L / B at 20 | 25 (between) | 30 |" in table
+    assert "| policy | mean L / B at 20, 25 (between), 30 | pass@1 at 20, 25 (between), 30 | slope" in table
     assert f"| {labels[1]} | 0.95, 0.98, 0.97 | 0.600, 0.700, 0.650 | 1.00 |" in table
     line = sb.verdict(dict(evals), [20, 30], labels[1], labels[0])
     assert "met at all of them" in line and "Slope of length over budget 1.00 (target >= 0.8: met)" in line

@@ -315,10 +315,10 @@ def constraint_block(results: Path, made: dict) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str, begin: str = BEGIN, end: str = END) -> tuple[int, int]:
+def readme_block(text: str, begin: str = BEGIN, end: str = END, name: str = "README.md") -> tuple[int, int]:
     a, b = text.find(begin), text.find(end)
     if a < 0 or b < a:
-        raise SystemExit(f"[tiny-runs] README.md has no block between {begin!r} and {end!r}")
+        raise SystemExit(f"[tiny-runs] {name} has no block between {begin!r} and {end!r}")
     return a, b + len(end)
 
 
@@ -331,24 +331,24 @@ def undated(text: str) -> str:
 
 
 def update_readme(text: str, begin: str, end: str, args, block: str, source: str, figure: str | None = None,
-                  draw=None, tell=say) -> int:
-    """README.md's block between ``begin`` and ``end``: with ``--write`` replaced by ``text`` (and ``draw()`` writes
-    ``figure``, a path under the repository), with ``--check`` compared with it but for the date of its "Measured"
-    line (1 when it differs); ``block`` and ``source`` name the block and what made it in the messages given to
-    ``tell``. Returns the exit status."""
-    readme = ROOT / "README.md"
+                  draw=None, tell=say, doc: str = "README.md") -> int:
+    """The block between ``begin`` and ``end`` of ``doc`` (a markdown file under the repository, default README.md):
+    with ``--write`` replaced by ``text`` (and ``draw()`` writes ``figure``, a path under the repository), with
+    ``--check`` compared with it but for the date of its "Measured" line (1 when it differs); ``block`` and
+    ``source`` name the block and what made it in the messages given to ``tell``. Returns the exit status."""
+    readme = ROOT / doc
     current = readme.read_text()
-    a, b = readme_block(current, begin, end)
+    a, b = readme_block(current, begin, end, doc)
     if args.write:
         readme.write_text(current[:a] + text + current[b:])
         if figure is not None:
             draw()
-        tell("wrote README.md" + ("" if figure is None else f" and {figure}"))
+        tell(f"wrote {doc}" + ("" if figure is None else f" and {figure}"))
     elif args.check:
         if undated(current[a:b]) != undated(text):
-            tell(f"README.md's {block} differs from {source} (above); --write replaces it")
+            tell(f"{doc}'s {block} differs from {source} (above); --write replaces it")
             return 1
-        tell(f"README.md's {block} is what {source} give")
+        tell(f"{doc}'s {block} is what {source} give")
     return 0
 
 

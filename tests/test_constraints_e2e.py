@@ -24,7 +24,8 @@ ALL_ON = [
 ]
 
 
-def _train(args, out, fault=None, check=True):
+def train(args, out, fault=None, check=True):
+    """``laconic-nemo train ARGS run.output_dir=OUT`` (``fault``: LACONIC_FAULT); the process, checked by default."""
     import subprocess
 
     env = clean_env()
@@ -37,16 +38,20 @@ def _train(args, out, fault=None, check=True):
     return proc
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("constraints")
+def uninterrupted_and_killed(args, tmp: Path):
+    """Two runs of ``args`` sharing one warm-up cache: ``full`` uninterrupted, ``cut`` killed (kill -9 of rank 0)
+    right after its step-2 checkpoint and rerun. Returns (full, cut, the rerun's process)."""
     cache = f"warmup.cache_dir={tmp / 'cache'}"
     full, cut = tmp / "full", tmp / "cut"
-    _train([*ALL_ON, cache], full)
-    killed = _train([*ALL_ON, cache], cut, fault="after_checkpoint@2:0:kill", check=False)
+    train([*args, cache], full)
+    killed = train([*args, cache], cut, fault="after_checkpoint@2:0:kill", check=False)
     assert killed.returncode != 0, killed.stdout[-2000:]
-    rerun = _train([*ALL_ON, cache], cut)
-    return full, cut, rerun
+    return full, cut, train([*args, cache], cut)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return uninterrupted_and_killed(ALL_ON, tmp_path_factory.mktemp("constraints"))
 
 
 @pytest.mark.slow
@@ -84,11 +89,15 @@ def test_all_constraints_run_report_and_agree_across_ranks(runs):
         assert ca == {k: v for k, v in b.items() if k.startswith("laconic/")} and len(ca) == len(keys) + 1
 
 
-@pytest.mark.slow
-def test_kill_and_rerun_give_the_uninterrupted_multipliers(runs):
-    full, cut, rerun = runs
+def assert_rerun_is_uninterrupted(full: Path, cut: Path, rerun) -> None:
+    """The rerun resumed, and the killed-and-rerun run's metrics are the uninterrupted run's, row for row."""
     assert "resumed from" in rerun.stdout
     a, b = metrics(full), metrics(cut)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert strip_timing(ra) == strip_timing(rb), f"step {ra['step']} differs after kill and rerun"
+
+
+@pytest.mark.slow
+def test_kill_and_rerun_give_the_uninterrupted_multipliers(runs):
+    assert_rerun_is_uninterrupted(*runs)

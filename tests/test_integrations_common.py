@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from laconic_nemo.core import DualController
-from laconic_nemo.integrations.common import LENGTH, STATE_FORMAT, LaconicSettings, LaconicState, dual_shapers
+from laconic_nemo.integrations.common import (
+    LENGTH,
+    LENGTH_LO,
+    STATE_FORMAT,
+    LaconicSettings,
+    LaconicState,
+    dual_shapers,
+)
 from tests.test_architecture import PKG, project_imports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,3 +184,39 @@ def test_the_docs_show_the_lines_the_examples_run_and_the_readme_links_them():
     verl_lines = re.findall(r"^\s+(\+?algorithm\.[\w.]+=\S+|trainer\.checkpoint_callback_class=\S+)", docs, re.M)
     script = (ROOT / "examples" / "integrations" / "verl_laconic.sh").read_text()
     assert len(verl_lines) == 6 and all(x in script for x in verl_lines), verl_lines
+
+
+def test_the_band_is_a_lower_bound_multiplier_on_the_mean_length_against_a_float64_reference():
+    """laconic.band in a plug-in: ``length_lo`` beside ``length``, both moved by the global mean length, the reward
+    ``r - lambda max((L - B)/B, 0) - lambda_lo max((B_lo - L)/B_lo, 0)`` with B_lo = rho B."""
+    s = LaconicState(LaconicSettings(budget=10, eta=0.25, ceiling=0.7, lambda_init=0.3, band=0.8))
+    assert set(s.multipliers) == {LENGTH, LENGTH_LO} and s.band.ceiling == 0.7 and s.band.eta == 0.25
+    lam, lo = 0.3, 0.0
+    r, L = [1.0, 0.0, 1.0, 0.5, 1.0], [4, 12, 25, 10, 7]
+    for m in (4.0, 3.0, 9.0, 25.0):  # below B_lo = 8 twice (lambda_lo rises), in the band, over B
+        shaped, metrics = s.lagrangian_reward(r, L)
+        want = [ri - lam * max((Li - 10) / 10, 0.0) - lo * max((8 - Li) / 8, 0.0) for ri, Li in zip(r, L)]
+        assert shaped.tolist() == pytest.approx(want, abs=1e-15)
+        assert metrics["lambda_lo"] == lo and metrics["mean_band_penalty"] == pytest.approx(
+            sum(lo * max((8 - Li) / 8, 0.0) for Li in L) / 5, abs=1e-15)
+        lam = ref_dual(lam, m, 10, 0.25, 0.0, 0.7)
+        lo = min(max(lo + 0.25 * (1.0 - (m / 10) / 0.8), 0.0), 0.7)
+        assert s.dual_step(m) == lam and s.band.value == pytest.approx(lo, abs=1e-15)
+    assert s.multipliers[LENGTH_LO].num_updates == 4 and s.band.value == 0.0 and lo == 0.0
+    # the state: one more multiplier in the same format; a checkpoint without it resumes with lambda_lo at 0
+    state = json.loads(json.dumps(s.state_dict()))
+    assert state["multipliers"][LENGTH_LO]["bound"] == "lower"
+    again = LaconicState(LaconicSettings(budget=10, eta=0.25, ceiling=0.7, lambda_init=0.3, band=0.8))
+    assert again.load_state_dict(state) == [LENGTH, LENGTH_LO] and again.band.value == s.band.value
+    plain = LaconicState(LaconicSettings(budget=10, eta=0.25, ceiling=0.7, lambda_init=0.3))
+    plain.dual_step(20.0)
+    banded = LaconicState(LaconicSettings(budget=10, eta=0.25, ceiling=0.7, lambda_init=0.3, band=0.8))
+    assert banded.load_state_dict(plain.state_dict()) == [LENGTH] and banded.band.value == 0.0
+    # without the band: the paper's one multiplier, the reward unchanged, no band metric
+    _, metrics = plain.lagrangian_reward(r, L)
+    assert LENGTH_LO not in plain.multipliers and "lambda_lo" not in metrics
+    for values, message in (({"band": 1.0}, "laconic.band must be a number in"),
+                            ({"band": 0.9, "band_eta": -1}, "laconic.band_eta must be"),
+                            ({"band": 0.9, "band_ceiling": "x"}, "laconic.band_ceiling must be")):
+        with pytest.raises(ValueError, match=message):
+            LaconicSettings.from_mapping({"budget": 5, "eta": 0.1, **values})

@@ -250,3 +250,25 @@ def test_the_example_config_and_script_wire_the_plug_in():
     attach = script.index("LaconicRewardShaping.from_config(master_config, logger=logger).attach(master_config, "
                           "checkpointer, grpo_state)")
     assert attach < script.index("grpo.grpo_train(")
+
+
+def test_the_band_shapes_with_both_multipliers_and_logs_lambda_lo():
+    """grpo.reward_shaping.laconic.band: the reward NeMo-RL gets holds the lower bound's term and the metrics
+    its multiplier, both following the float64 reference."""
+    calls = []
+    logger = types.SimpleNamespace(log_metrics=lambda m, step, prefix="": calls.append(m))
+    shaping = LaconicRewardShaping({"budget": B, "eta": ETA, "ceiling": CEIL, "band": 0.9}, logger=logger)
+    lam, lo = 0.0, 0.0
+    for s in range(3):
+        batch = make_batch(s)
+        L = [int(m[1]["token_ids"].shape[0]) for m in batch["message_log"]]
+        r = batch["total_reward"].tolist()
+        want = [ri - lam * max((Li - B) / B, 0.0) - lo * max((0.9 * B - Li) / (0.9 * B), 0.0) for ri, Li in zip(r, L)]
+        got = shaping(batch, None)["total_reward"]
+        assert torch.allclose(got.to(torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+        assert calls[-1]["laconic/lambda_lo"] == pytest.approx(lo, abs=1e-15)
+        mean = sum(L) / len(L)
+        lam = min(max(lam + ETA * (mean / B - 1.0), 0.0), CEIL)
+        lo = min(max(lo + ETA * (1.0 - (mean / B) / 0.9), 0.0), CEIL)
+    assert lo > 0 and "laconic/mean_band_penalty" in calls[-1]
+    assert shaping.state.state_dict()["multipliers"]["length_lo"]["lam"] == pytest.approx(lo, abs=1e-15)

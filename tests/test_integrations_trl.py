@@ -147,6 +147,22 @@ def test_the_reward_is_the_lagrangian_reward_and_logs_through_trl(tmp_path):
     assert not laconic.history  # scored outside an optimiser step (as in evaluation): no dual step input
 
 
+def test_the_band_prices_the_lower_bound_and_logs_its_multiplier_through_trl(tmp_path):
+    """band=0.5: B_lo = 2 beside B = 4; lambda_lo from lambda_init 0 after one dual step on a mean of 1 token."""
+    laconic = Laconic(budget=4, eta=0.1, lambda_init=0.5, ceiling=1.0, band=0.5)
+    laconic.callback.on_init_end(grpo_args(tmp_path), None, None)
+    laconic.state.dual_step(1.0)  # x = 0.25: lambda 0.5 + 0.1 (0.25 - 1) = 0.425, lambda_lo 0.1 (1 - 0.5) = 0.05
+    lam, lo = laconic.state.lam, laconic.state.band.value
+    assert lam == pytest.approx(0.425, abs=1e-15) and lo == pytest.approx(0.05, abs=1e-15)
+    logged = {}
+    reward = laconic.reward(lambda completions, **kw: [1.0, 1.0, 0.0])
+    out = reward(prompts=["p"] * 3, completions=["a"] * 3, completion_ids=[[1], [1] * 3, [1] * 8],
+                 log_metric=lambda k, v: logged.__setitem__(k, v))
+    # L = 1 under B_lo = 2: c_lo = 0.5; L = 3 inside [2, 4]; L = 8 over B: c = 1
+    assert out == pytest.approx([1.0 - lo * 0.5, 1.0, 0.0 - lam * 1.0], abs=1e-15)
+    assert logged["laconic/lambda_lo"] == lo and logged["laconic/mean_band_penalty"] == pytest.approx(lo * 0.5 / 3)
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"steps_per_generation": 2, "gradient_accumulation_steps": 1}, r"steps_per_generation \(2\) must equal"),
     ({"steps_per_generation": 2, "gradient_accumulation_steps": 4, "num_iterations": 3},

@@ -166,6 +166,39 @@ def test_lambda_is_saved_with_each_checkpoint_and_restored_on_resume(cfg, tmp_pa
     assert build_checkpoint_callback(cfg).state.lam == callback.state.lam
 
 
+def test_the_band_through_verls_compute_advantage_and_its_checkpoint(tmp_path):
+    """+algorithm.laconic.band: the estimator prices the lower bound B_lo = rho B (0.9 x 8) with lambda_lo, moves it
+    on the batch's mean length, logs it and saves it beside lambda (``length_lo``)."""
+    lv._ACTIVE = None
+    config = verl_config(*SWITCH, "+algorithm.laconic.budget=8", f"+algorithm.laconic.eta={ETA}",
+                         f"+algorithm.laconic.ceiling={CEILING}", "+algorithm.laconic.band=0.9",
+                         "+algorithm.laconic.band_eta=0.5", f"trainer.default_local_dir={tmp_path / 'ckpt'}")
+    callback = build_checkpoint_callback(config)
+    lo = 0.0
+    for seed in range(3):
+        data = make_batch(seed)
+        mask = data.batch["response_mask"].to(torch.float64)
+        L = mask.sum(-1)
+        lam = callback.state.lam
+        r = data.batch["token_level_rewards"].to(torch.float64).sum(-1)
+        shaped = [float(ri) - lam * max((float(Li) - 8) / 8, 0.0) - lo * max((7.2 - float(Li)) / 7.2, 0.0)
+                  if Li > 0 else 0.0 for ri, Li in zip(r, L)]
+        got = callback.state.lagrangian_reward(r[L > 0], L[L > 0].to(torch.long))[0]
+        assert got.tolist() == pytest.approx([s for s, Li in zip(shaped, L) if Li > 0], abs=1e-12)
+        advantages(data, config)
+        mean = float(L[L > 0].sum() / (L > 0).sum())
+        assert callback.history[-1]["lambda_lo"] == pytest.approx(lo, abs=1e-15)
+        lo = min(max(lo + 0.5 * (1.0 - (mean / 8) / 0.9), 0.0), CEILING)
+        assert callback.state.band.value == pytest.approx(lo, abs=1e-15)
+    assert lo > 0  # the batches' mean length (about 5.5) sits below B_lo = 7.2
+    folder = Path(config.trainer.default_local_dir) / "global_step_3"
+    folder.mkdir(parents=True)
+    callback.on_save(trainer=None, global_step=3, checkpoint_dir=str(folder), async_save=False)
+    saved = json.loads((folder / lv.STATE_FILE).read_text())
+    assert saved["multipliers"]["length_lo"]["lam"] == callback.state.band.value
+    lv._ACTIVE = None
+
+
 def test_missing_wiring_and_bad_settings_are_refused_by_name(tmp_path):
     lv._ACTIVE = None
     data = make_batch(0)

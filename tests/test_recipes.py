@@ -122,6 +122,20 @@ def test_ablation_changes_only_its_knob(name, changed):
     assert diff == changed
 
 
+def test_the_band_variant_of_the_stated_run_changes_only_the_band():
+    """deepseek_1.5b_stated_band.yaml is deepseek_1.5b_stated.yaml with laconic.band (its multiplier's eta and
+    ceiling the class's own: the [script-ds] dual_lr and lambda_ceil), and builds one lower bound per stated budget."""
+    from laconic_nemo.grpo.constraints import build_constraints
+
+    ref = _flat(load_config(ROOT / "recipes" / "deepseek_1.5b_stated.yaml"))
+    cfg = load_config(ROOT / "recipes" / "deepseek_1.5b_stated_band.yaml")
+    band = _flat(cfg)
+    diff = {k: band[k] for k in band if band[k] != ref[k] and k not in ("run.name", "run.output_dir")}
+    assert diff == {"laconic.band": cfg.laconic.band} and 0 < cfg.laconic.band < 1
+    classes = build_constraints(cfg, cfg.data.stated_budgets()).classes
+    assert [(lo.rho, lo.eta, lo.ceiling) for lo in classes.lower] == [(cfg.laconic.band, 0.002, 0.1)] * 6
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_has_launch_script_and_fits_its_nodes(recipe):
     cfg = load_config(recipe)

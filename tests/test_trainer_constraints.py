@@ -248,3 +248,34 @@ def test_every_shaper_with_stated_targets_reports_each_budget_class(tmp_path):
             assert m[f"budget_class/{b}/pass@1"] == 1.0
     # no stated targets, no classes: no report (the main job's metrics are unchanged)
     assert not any(k.startswith("budget_class/") for k in make([], tmp_path / "plain").train_step(0))
+
+
+def test_the_band_moves_lambda_lo_per_class_prices_it_and_plan_prints_it(tmp_path):
+    """laconic.band = 0.8 with stated budgets 45 and 90 (every group's lengths 10, ..., 80, mean 45): class 45 sits
+    in its band [36, 45], class 90 below B_lo = 72 (x = 0.5); its lambda_lo rises by 0.4 (1 - 0.5 / 0.8) = 0.15,
+    then prices the responses under 72 at the next step. The report counts the share inside each band; ``plan``
+    prints each class's lower bound."""
+    from laconic_nemo.plan.step_one import build_step_one
+
+    ov = ["laconic.per_prompt_budget=true", "data.target_lengths=[45,90]", "rollout.max_new_tokens=96",
+          "laconic.eta=0.5", "laconic.ceiling=5.0", "laconic.band=0.8", "laconic.band_eta=0.4",
+          "laconic.band_ceiling=1.0"]
+    t = make(ov, tmp_path)
+    m = t.train_step(0)
+    _, targets = t._prompt_texts(0, t.sampler.batch(0))
+    assert set(targets) == {45, 90}
+    assert m["laconic/lambda_lo/class_45"] == m["laconic/lambda_lo/class_90"] == 0.0 == m["shaper/mean_band_penalty"]
+    assert t.classes.values_lo() == pytest.approx([0.0, 0.4 * (1 - 0.5 / 0.8)], abs=1e-15)
+    # in band: [36, 45] holds 40 of 8 lengths; [72, 90] holds 80
+    assert m["budget_class/45/in_band"] == m["budget_class/90/in_band"] == 1 / 8
+    m = t.train_step(1)
+    _, targets = t._prompt_texts(1, t.sampler.batch(1))
+    lo = 0.4 * (1 - 0.5 / 0.8)
+    per_group = sum(lo * max((72 - x) / 72, 0.0) for x in (10, 20, 30, 40, 50, 60, 70, 80)) / 8
+    assert m["laconic/lambda_lo/class_90"] == pytest.approx(lo, abs=1e-15)
+    assert m["shaper/mean_band_penalty"] == pytest.approx(per_group * targets.count(90) / len(targets), abs=1e-12)
+    lines = build_step_one(t.cfg).constraints
+    assert any("B_lo = 0.8 B" in line and "45: B_lo = 36 (eta 0.4, ceiling 1)" in line and "90: B_lo = 72" in line
+               for line in lines), lines
+    state = t._trainer_state(2)["constraints"]["classes"]["classes"]
+    assert state["90"]["band"]["dual"]["lam"] == t.classes.values_lo()[1] and state["45"]["band"]["rho"] == 0.8

@@ -334,6 +334,18 @@ only the budget of rows without one (data.budget_missing = recipe)""")
     budget_classes: Optional[List[float]] = opt(None, """bin edges e_0 < ... < e_K of the budget classes ([e_k, e_k+1), the last
 closed); every budget in a bin, every bin with a budget. null: one class per
 distinct budget (needs a finite set: not with data.target_length_range)""")
+    band: Optional[float] = opt(None, """rho of the band constraint (beyond the paper): per budget class a lower
+bound B_lo = rho B beside the upper bound B, with its own multiplier
+lambda_lo <- clip(lambda_lo + band_eta (1 - mean_L / B_lo), 0, band_ceiling)
+from the class's global mean of L_i / B_i (the same ratio as the class's
+lambda), reward term -lambda_lo max((B_lo - L) / B_lo, 0): the policy is
+asked to USE its budget, L in [rho B, B]. Per class with per_prompt_budget,
+else on the mean length against laconic.budget (laconic / linear only;
+docs/algorithm.md, "The band"). null: no lower bound (the paper's form)""", gt=0, lt=1)
+    band_eta: Optional[float] = opt(None, "dual step size of lambda_lo; null = laconic.eta", ge=0)
+    band_ceiling: Optional[float] = opt(None, """ceiling of lambda_lo; null = the class's Lambda (laconic.ceiling, or
+b / (L_max - b)); <= 1 keeps a correct response worth at least an incorrect
+one inside the band under 0/1 rewards (the lower cost is at most 1)""", ge=0)
     tail_budget: Optional[float] = opt(None, """B_tail of the tail constraint: the share of responses with L > B_tail
 at most tail_share (q), reward term -mu 1[L > B_tail], dual step
 mu <- clip(mu + tail_eta (share / q - 1), 0, tail_ceiling) on the global
@@ -568,6 +580,9 @@ def _check_constraints(cfg: "Config") -> None:
         require(lc.tail_budget < lmax, "laconic.tail_budget", f"< rollout.max_new_tokens = {lmax}", lc.tail_budget)
         require(lc.tail_init <= lc.tail_ceiling, "laconic.tail_init",
                  f"a number in [0, laconic.tail_ceiling = {lc.tail_ceiling:g}]", lc.tail_init)
+    if lc.band is not None:
+        require(SHAPERS[lc.shaper].lam == "dual", "laconic.band", f"null with laconic.shaper = {lc.shaper} (the "
+                "band's lower bound moves with the dual step: laconic, linear)", lc.band)
     edges = lc.budget_classes
     if edges is not None:
         e = [float(x) for x in edges]

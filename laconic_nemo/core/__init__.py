@@ -6,6 +6,7 @@ Nothing here imports megatron-core, NeMo or vLLM.
 """
 
 from laconic_nemo.core.advantages import ADVANTAGE_STD, as_groups, group_advantages
+from laconic_nemo.core.band import Band, LowerBound, band_state_problem
 from laconic_nemo.core.constraints import (
     BudgetClasses,
     CarryOver,
@@ -21,6 +22,7 @@ from laconic_nemo.core.constraints import (
     tail_state_problem,
 )
 from laconic_nemo.core.costs import (
+    band_cost64,
     clipped_cost,
     clipped_cost64,
     cost_lengths,
@@ -52,7 +54,7 @@ from laconic_nemo.core.shapers import (
 )
 
 __all__ = [
-    "ADVANTAGE_STD", "CORRECT", "BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints",
+    "ADVANTAGE_STD", "CORRECT", "Band", "BudgetClasses", "LowerBound", "band_cost64", "band_state_problem", "CarryOver", "ConstraintStateMismatch", "Constraints",
     "TailConstraint", "class_report", "classes_state_problem", "dual_state_problem", "shaper_problem",
     "tail_state_problem", "local_counts", "report_counts", "per_prompt_cost64", "reasoning_lengths", "SHAPERS",
     "DualController", "DualSettings", "Shaper", "as_groups", "check_dual", "clipped_cost", "clipped_cost64",

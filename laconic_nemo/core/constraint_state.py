@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from laconic_nemo.core.band import band_state_problem
 from laconic_nemo.core.dual import dual_state_problem, load_shaper_state
 
 
@@ -67,6 +68,10 @@ def classes_state_problem(state: Any) -> tuple[str, Any, str] | None:
             if not (_number_list(entry.get("budgets")) and entry["budgets"]):
                 return f"classes.{key}.budgets", entry.get("budgets", "(missing)"), "a non-empty list of finite numbers"
         duals = {f"classes.{k}.dual": entry.get("dual") for k, entry in classes.items()}
+        for k, entry in classes.items():  # the band's lower bound, saved with its class
+            problem = None if entry.get("band") is None else band_state_problem(entry["band"])
+            if problem is not None:
+                return f"classes.{k}.band" + (f".{problem[0]}" if problem[0] else ""), problem[1], problem[2]
     else:  # the list form of older checkpoints
         problem = _list_form_problem(state)
         if problem is not None:
@@ -111,8 +116,9 @@ def saved_classes(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if problem is not None:
         key, value, allowed = problem
         raise ValueError(f"budget classes state: key {key or '(the state)'} = {value!r} is invalid: allowed {allowed}")
-    if "classes" in state:
-        return {str(k): {"budgets": [float(b) for b in v["budgets"]], "dual": v["dual"]}
+    if "classes" in state:  # with the band, a class's lower bound comes along ("band")
+        return {str(k): {"budgets": [float(b) for b in v["budgets"]], "dual": v["dual"],
+                         **({"band": v["band"]} if v.get("band") is not None else {})}
                 for k, v in state["classes"].items()}
     members = class_budgets_from_state(state["budgets"], state.get("edges"))
     return {str(n): {"budgets": members[str(n)], "dual": d} for n, d in zip(state["names"], state["duals"])}

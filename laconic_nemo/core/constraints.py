@@ -13,6 +13,11 @@ ceiling / floor, the global statistic its dual step reads):
   step of class k reads the class's global length ratio ``rho_k = (1 / n_k) sum_{i in k} L_i / B_i``
   (``mean_L / B_k`` when the class has one budget): ``lambda_k <- clip(lambda_k + eta (rho_k - 1), floor,
   Lambda_k)``. A class with no response in a batch keeps its multiplier.
+- **band** (:class:`~laconic_nemo.core.band.Band`, ``laconic.band``): beside each class's upper bound a lower bound
+  ``B_lo = rho B`` with its own multiplier lambda_lo, moved from the same global ratio,
+  ``lambda_lo <- clip(lambda_lo + eta (1 - rho_k / rho), 0, Lambda)``, and the reward term
+  ``- lambda_lo max((B_lo - L_i) / B_lo, 0)``; without per-prompt budgets the run's one budget is the one class
+  (its lambda_lo reads the global mean length). Saved with its class, under the class's key.
 - **tail** (:class:`TailConstraint`): the share of responses longer than B_tail at most q. Reward term
   ``- mu 1[L_i > B_tail]``; dual step ``mu <- clip(mu + eta_tail (s / q - 1), 0, M)`` with s the global share.
 
@@ -45,6 +50,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from laconic_nemo.core.band import Band, LowerBound
 from laconic_nemo.core.constraint_state import (
     CarryOver,
     ConstraintStateMismatch,
@@ -55,11 +61,11 @@ from laconic_nemo.core.constraint_state import (
     tail_key,
     tail_state_problem,
 )
-from laconic_nemo.core.costs import per_prompt_cost64
+from laconic_nemo.core.costs import band_cost64, per_prompt_cost64
 from laconic_nemo.core.dual import DualController, DualSettings, next_lambda
 from laconic_nemo.core.shapers import constant_lambda, lambda_controller
 
-__all__ = ["BudgetClasses", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "WITHIN",
+__all__ = ["Band", "BudgetClasses", "LowerBound", "CarryOver", "ConstraintStateMismatch", "Constraints", "TailConstraint", "WITHIN",
            "class_name", "class_report", "classes_state_problem", "find_marker", "local_counts", "match_classes",
            "per_prompt_cost64", "reasoning_lengths", "report_counts", "saved_classes", "tail_state_problem"]
 
@@ -119,11 +125,13 @@ class BudgetClasses:
             its budget is not used: a class's controller reads the ratio rho_k against 1); ceiling None:
             ``Lambda_k = b / (L_max - b)`` with b the class's smallest budget (the paper's ceiling for the largest
             cost of the class), which needs L_max = ``dual.max_length`` > b.
+        band: the band's settings (:class:`~laconic_nemo.core.band.Band`): one lower bound ``rho b`` per class
+            beside its upper bound, lambda_lo's eta and ceiling defaulting to the class's; None: no band.
         **settings: instead of ``dual``, its fields by name (eta, ceiling, max_length, lambda_init, ...).
     """
 
     def __init__(self, budgets: Sequence[float], edges: Sequence[float] | None, dual: DualSettings | None = None,
-                 **settings: Any):
+                 band: Band | None = None, **settings: Any):
         if dual is None:
             dual = DualSettings(budget=1.0, **settings)
         elif settings:
@@ -170,6 +178,10 @@ class BudgetClasses:
                 lam_ceiling = b / (max_length - b)
             # the controller's error is rho_k - 1: its "budget" is 1 and it reads the ratio rho_k as the mean
             self.duals.append(dataclasses.replace(dual, budget=1.0, ceiling=lam_ceiling, max_length=None).build())
+        self.band = band
+        # the band's lambda_lo per class (None: no band), its eta and ceiling by default the class's
+        self.lower: list[LowerBound] | None = None if band is None else [band.lower(d.eta, d.ceiling)
+                                                                           for d in self.duals]
 
     def _bin(self, b: float) -> int | None:
         e = self.edges
@@ -199,6 +211,16 @@ class BudgetClasses:
         lam = torch.tensor([d.value for d in self.duals], dtype=torch.float64)
         return lam[self.class_index(budgets)]
 
+    def multipliers_lo(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[...] float64: each response's lambda_lo of its class (the band; this step's)."""
+        lam = torch.tensor([lo.value for lo in self.lower], dtype=torch.float64)
+        return lam[self.class_index(budgets)]
+
+    def band_penalty64(self, lengths: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """[...] float64 band term ``lambda_lo,k(i) max((rho B_i - L_i) / (rho B_i), 0)`` (lengths, budgets [...])."""
+        return self.multipliers_lo(budgets) * band_cost64(lengths.to(torch.float64),
+                                                          self.band.rho * budgets.to(torch.float64))
+
     def ratios(self, counts: Sequence[int]) -> list[float | None]:
         """Each class's global length ratio ``rho_k = (1 / n_k) sum_b S_b / b`` from the all-reduced counts
         (``counts[:D]`` the sums S_b of L per distinct budget b, ``counts[D:2D]`` the responses n_b); None for a
@@ -219,15 +241,22 @@ class BudgetClasses:
 
     def update(self, counts: Sequence[int]) -> list[float | None]:
         """One dual step per class with a response: ``lambda_k <- clip(lambda_k + eta (rho_k - 1), floor,
-        Lambda_k)``; a class without a response keeps its multiplier. Returns the ratios rho_k."""
+        Lambda_k)`` and, with the band, ``lambda_lo,k <- clip(lambda_lo,k + eta_lo (1 - rho_k / rho), 0,
+        Lambda_lo)``; a class without a response keeps its multipliers. Returns the ratios rho_k."""
         rho = self.ratios(counts)
-        for d, r in zip(self.duals, rho):
+        for k, (d, r) in enumerate(zip(self.duals, rho)):
             if r is not None:
                 d.update(r)
+                if self.lower is not None:
+                    self.lower[k].update(r)
         return rho
 
     def values(self) -> list[float]:
         return [d.value for d in self.duals]
+
+    def values_lo(self) -> list[float] | None:
+        """Each class's lambda_lo (None without the band)."""
+        return None if self.lower is None else [lo.value for lo in self.lower]
 
     def class_budgets(self, k: int) -> list[float]:
         """The budgets of class ``k``, sorted."""
@@ -235,16 +264,22 @@ class BudgetClasses:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"edges": [...] | None, "classes": {key: {"budgets": [...], "dual": controller state}}}``, each class
-        under its key (:func:`class_name`: its budget, or its bin)."""
-        return {"edges": None if self.edges is None else list(self.edges),
-                "classes": {name: {"budgets": self.class_budgets(k), "dual": d.state_dict()}
-                            for k, (name, d) in enumerate(zip(self.names, self.duals))}}
+        under its key (:func:`class_name`: its budget, or its bin); with the band each class's entry holds its
+        lower bound too, ``"band": {"rho": rho, "dual": lambda_lo's state}``."""
+        classes = {}
+        for k, (name, d) in enumerate(zip(self.names, self.duals)):
+            classes[name] = {"budgets": self.class_budgets(k), "dual": d.state_dict()}
+            if self.lower is not None:
+                classes[name]["band"] = self.lower[k].state_dict()
+        return {"edges": None if self.edges is None else list(self.edges), "classes": classes}
 
     def load_state_dict(self, state: Mapping[str, Any] | None, strict: bool = True,
                         carry: "CarryOver | None" = None) -> None:
         """Restore each class's multiplier from the saved class of the same key (:func:`match_classes`; ``carry``
         says how to carry over classes that differ, default: refuse every difference; ``state`` None: a checkpoint
-        without classes). A class that takes no saved state starts at lambda_init. Raises
+        without classes). A class that takes no saved state starts at lambda_init. With the band, a class's
+        lambda_lo comes with its class's saved state; a saved class without one (a run that turned the band on, a
+        config change that only a non-strict resume accepts) starts lambda_lo at 0. Raises
         :class:`ConstraintStateMismatch` (the keys that differ) or ValueError (a bad saved value, or settings that
         differ with ``strict``)."""
         saved = {} if state is None else saved_classes(state)
@@ -257,6 +292,13 @@ class BudgetClasses:
             # ceiling follows its budgets), the multiplier clipped into them
             same = source == name and [float(b) for b in saved[source]["budgets"]] == self.class_budgets(k)
             d.load_state_dict(saved[source]["dual"], strict=strict and same)
+            if self.lower is not None:
+                band = saved[source].get("band")
+                if band is not None:
+                    self.lower[k].load_state_dict(band, strict=strict and same)
+                elif strict:
+                    raise ValueError(f"budget class {name}: the checkpoint holds no band state (laconic.band), this "
+                                     f"run has band {self.band.rho:g}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -350,9 +392,10 @@ WITHIN = 0.1  # "within 10%" of a budget: |L - B| <= 0.1 B
 
 
 def report_counts(lengths: torch.Tensor, correct: torch.Tensor, budget_index: torch.Tensor,
-                  budgets: Sequence[float]) -> list[int]:
+                  budgets: Sequence[float], band: float | None = None) -> list[int]:
     """One rank's integer counts per distinct budget b of ``budgets`` (D of them): [S_b (sum of L), n_b, within_b
-    (``|L - b| <= 0.1 b``), over_b (``L > b``), correct_b], D entries each, 5 D in all; all-reduce (sum) them.
+    (``|L - b| <= 0.1 b``), over_b (``L > b``), correct_b], D entries each, 5 D in all, and with ``band`` (rho)
+    in_band_b (``rho b <= L <= b``) after them, 6 D; all-reduce (sum) them.
 
     lengths: [N] int L; correct: [N] bool; budget_index: [N] int64 index of each response's budget in ``budgets``."""
     L = lengths.to(torch.long).reshape(-1)
@@ -364,16 +407,19 @@ def report_counts(lengths: torch.Tensor, correct: torch.Tensor, budget_index: to
         return torch.zeros(D, dtype=torch.long).index_add_(0, idx, values.to(torch.long)).tolist()
 
     Lf = L.to(torch.float64)
-    return (per_budget(L) + per_budget(torch.ones_like(L)) + per_budget((Lf - b).abs() <= WITHIN * b)
-            + per_budget(Lf > b) + per_budget(correct.reshape(-1)))
+    out = (per_budget(L) + per_budget(torch.ones_like(L)) + per_budget((Lf - b).abs() <= WITHIN * b)
+           + per_budget(Lf > b) + per_budget(correct.reshape(-1)))
+    return out if band is None else out + per_budget((Lf >= band * b) & (Lf <= b))
 
 
 def class_report(classes: BudgetClasses, counts: Sequence[int]) -> dict[str, dict[str, float]]:
     """Per class with a response, from the all-reduced :func:`report_counts`: length_ratio (the class's mean of
-    L_i / B_i, as its dual step reads it), within_10, over_budget and pass@1 (shares of its responses)."""
+    L_i / B_i, as its dual step reads it), within_10, over_budget and pass@1 (shares of its responses), and
+    in_band (``rho B <= L <= B``) where the counts hold the band's (6 D of them)."""
     D = len(classes.budgets)
     c = [int(x) for x in counts]
     sums, ns, within, over, correct = (c[i * D:(i + 1) * D] for i in range(5))
+    in_band = c[5 * D:6 * D] if len(c) == 6 * D else None
     out: dict[str, dict[str, float]] = {}
     for name, m, ratio in zip(classes.names, classes.members, classes.ratios(sums + ns)):
         if ratio is None:
@@ -381,6 +427,8 @@ def class_report(classes: BudgetClasses, counts: Sequence[int]) -> dict[str, dic
         n = sum(ns[j] for j in m)
         out[name] = {"length_ratio": ratio, "within_10": sum(within[j] for j in m) / n,
                      "over_budget": sum(over[j] for j in m) / n, "pass@1": sum(correct[j] for j in m) / n}
+        if in_band is not None:
+            out[name]["in_band"] = sum(in_band[j] for j in m) / n
     return out
 
 
@@ -396,13 +444,19 @@ class Constraints:
 
     dual: lambda's controller (None: a shaper without one, or per-prompt budgets). constant: lambda without a
     controller. classes / tail / marker: None where the recipe does not ask for them (marker: its token ids).
+    band, budget: the band's lower bound of the mean-length constraint and its budget B (a run without per-prompt
+    budgets; the classes hold their own); None without the band.
     """
 
     def __init__(self, dual: DualController | None, constant: float, classes: BudgetClasses | None,
-                 tail: TailConstraint | None, marker: Sequence[int] | None):
+                 tail: TailConstraint | None, marker: Sequence[int] | None, band: LowerBound | None = None,
+                 budget: float | None = None):
         self.dual, self.constant = dual, constant
         self.classes, self.tail = classes, tail
         self.marker = None if marker is None else [int(t) for t in marker]
+        if band is not None and not (budget is not None and budget > 0):
+            raise ValueError(f"the band of the mean-length constraint needs its budget B > 0, got {budget!r}")
+        self.band, self.budget = band, budget
 
     @classmethod
     def build(cls, settings: Any, max_length: float, budgets: Sequence[float] | None = None,
@@ -410,17 +464,26 @@ class Constraints:
         """The constraints of the ``laconic:`` settings (``LaconicConfig``: shaper, the controller settings,
         per_prompt_budget, budget_classes, tail_*) with L_max = ``max_length``. ``budgets``: every budget a prompt
         of the run can have (per-prompt budgets; None: the classes are not built, as ``plan`` without the data
-        files). ``marker``: the end-of-reasoning marker's token ids (None: L counts the whole response)."""
+        files). ``marker``: the end-of-reasoning marker's token ids (None: L counts the whole response). The band
+        (``laconic.band``): a lower bound per class, or of the mean-length constraint without per-prompt budgets
+        (it needs lambda's controller there: an adaptive shaper)."""
         s = settings
+        band = Band.of(s)
+        lower = None
         if s.per_prompt_budget:  # one multiplier per budget class instead of lambda (lambda is then 0)
             dual, constant = None, 0.0
             classes = None if budgets is None else BudgetClasses(budgets, s.budget_classes,
-                                                                 DualSettings.of(s, max_length))
+                                                                 DualSettings.of(s, max_length), band=band)
         else:
             dual, constant, classes = lambda_controller(s, max_length), constant_lambda(s), None
+            if band is not None:
+                if dual is None:
+                    raise ValueError(f"laconic.band needs a shaper with a dual step (laconic, linear), got "
+                                     f"laconic.shaper = {s.shaper!r}")
+                lower = band.lower(dual.eta, dual.ceiling)
         tail = None if s.tail_budget is None else TailConstraint(s.tail_budget, s.tail_share, s.tail_eta,
                                                                  s.tail_ceiling, s.tail_init)
-        return cls(dual, constant, classes, tail, marker)
+        return cls(dual, constant, classes, tail, marker, lower, None if lower is None else float(s.budget))
 
     @property
     def lam(self) -> float:
@@ -450,6 +513,17 @@ class Constraints:
         tail = None if self.tail is None else self.tail.penalty64(lengths, self.tail.value).view(-1, G)
         return lams, tail
 
+    def band_penalty(self, lengths: torch.Tensor, budgets: torch.Tensor | None, G: int) -> torch.Tensor | None:
+        """The band's reward term grouped [P, G], float64: ``lambda_lo max((B_lo - L) / B_lo, 0)`` with each
+        response's class lambda_lo and ``B_lo = rho B_i`` (per-prompt budgets ``budgets`` [N]), or lambda_lo of
+        the mean-length constraint and ``B_lo = rho B``; None without the band. lengths: [N]."""
+        L64 = lengths.to(torch.float64)
+        if self.band is not None:
+            return (self.band.value * self.band.cost64(L64, self.budget)).view(-1, G)
+        if self.classes is not None and self.classes.lower is not None:
+            return self.classes.band_penalty64(L64, budgets).view(-1, G)
+        return None
+
     def counts(self, lengths: torch.Tensor, budgets: torch.Tensor | None, closed: torch.Tensor | None) -> list[int]:
         """This rank's integer counts of the constraints beyond the mean, to all-reduce: per distinct budget (sum
         of L, responses), tail count, responses (:func:`local_counts`), then the responses that closed their
@@ -465,20 +539,26 @@ class Constraints:
         """Every dual step of the step, from the all-reduced statistics (the same integers on every rank, so the
         same multipliers bit for bit): lambda's on ``global_mean_length``, then each budget class's and the tail
         constraint's on ``counts`` (the all-reduced :meth:`counts`). A class without a response keeps its
-        multiplier (its ratio is null). Returns (lambda used, lambda next, the constraints' metrics: each
-        multiplier used this step and its constraint's measured value)."""
+        multiplier (its ratio is null). The band's lambda_lo moves on the same ratio as its class's multiplier
+        (without classes: ``global_mean_length / B``). Returns (lambda used, lambda next, the constraints' metrics:
+        each multiplier used this step and its constraint's measured value)."""
         lam_used = self.lam
         lam_next = next_lambda(self.dual, lam_used, global_mean_length)
         out: dict[str, Any] = {}
+        if self.band is not None:
+            out["laconic/lambda_lo"] = self.band.value
+            self.band.update(global_mean_length / self.budget)
         if not self.beyond_mean:
             return lam_used, lam_next, out
         c = self.classes
         if c is not None:
-            used = c.values()
+            used, used_lo = c.values(), c.values_lo()
             ratios = c.update(list(counts[:-3]))
-            for name, lam_k, rho in zip(c.names, used, ratios):
+            for k, (name, lam_k, rho) in enumerate(zip(c.names, used, ratios)):
                 out[f"laconic/lambda/class_{name}"] = lam_k
                 out[f"laconic/length_ratio/class_{name}"] = rho
+                if used_lo is not None:
+                    out[f"laconic/lambda_lo/class_{name}"] = used_lo[k]
         tail_count, n, closed = counts[-3], counts[-2], counts[-1]
         if self.tail is not None:
             out["laconic/mu_tail"] = self.tail.value
@@ -489,9 +569,30 @@ class Constraints:
         return lam_used, lam_next, out
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The ``constraints`` entry of a checkpoint's trainer state (classes by key, the tail by its settings), or
-        None without classes or tail (lambda's state is the ``shaper`` entry, :func:`~laconic_nemo.core.shaper_state`)."""
-        if self.classes is None and self.tail is None:
+        """The ``constraints`` entry of a checkpoint's trainer state (classes by key, the tail by its settings, the
+        mean-length constraint's band under ``band`` with its budget), or None without any of them (lambda's state
+        is the ``shaper`` entry, :func:`~laconic_nemo.core.shaper_state`)."""
+        if self.classes is None and self.tail is None and self.band is None:
             return None
-        return {"classes": None if self.classes is None else self.classes.state_dict(),
-                "tail": None if self.tail is None else self.tail.state_dict()}
+        out = {"classes": None if self.classes is None else self.classes.state_dict(),
+               "tail": None if self.tail is None else self.tail.state_dict()}
+        if self.band is not None:
+            out["band"] = {"budget": self.budget, **self.band.state_dict()}
+        return out
+
+    def load_band_state(self, state: Mapping[str, Any] | None, strict: bool = True) -> None:
+        """Restore the mean-length constraint's lambda_lo from a :meth:`state_dict`'s ``band`` entry (None: a
+        checkpoint without the band; with ``strict`` refused, else lambda_lo starts at 0). With ``strict`` a saved
+        budget or band setting other than this run's is a ValueError naming it."""
+        if self.band is None:
+            return
+        if state is None:
+            if strict:
+                raise ValueError(f"the checkpoint holds no band state (laconic.band), this run has band "
+                                 f"{self.band.rho:g}")
+            return
+        saved = state.get("budget")
+        if strict and saved != self.budget:
+            raise ValueError(f"band state mismatch on 'budget' (laconic.budget): checkpoint has {saved!r}, this run "
+                             f"has {self.budget!r}")
+        self.band.load_state_dict({k: v for k, v in state.items() if k != "budget"}, strict=strict)

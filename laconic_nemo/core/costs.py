@@ -16,7 +16,7 @@ import math
 import torch
 
 __all__ = ["clipped_cost", "linear_cost", "clipped_cost64", "linear_cost64", "lagrangian_reward", "length_penalty",
-           "check_budget", "float_dtype_of", "cost_lengths", "per_prompt_cost64"]
+           "check_budget", "float_dtype_of", "cost_lengths", "per_prompt_cost64", "band_cost64"]
 
 
 def check_budget(budget: float, name: str = "budget") -> float:
@@ -156,3 +156,9 @@ def per_prompt_cost64(lengths64: torch.Tensor, budgets64: torch.Tensor, linear: 
     """``c_i = max((L_i - B_i) / B_i, 0)`` (``linear``: without the clip), elementwise in float64 ([...] shapes)."""
     c = (lengths64 - budgets64) / budgets64
     return c if linear else c.clamp_min(0.0)
+
+
+def band_cost64(lengths64: torch.Tensor, lower64: torch.Tensor | float) -> torch.Tensor:
+    """The band's lower cost ``c_lo = max((B_lo - L) / B_lo, 0)``, elementwise in float64 ([...] shapes; ``lower64``
+    the lower bounds B_lo > 0, a tensor of the lengths' shape or one number): 0 at or above B_lo, 1 at L = 0."""
+    return ((lower64 - lengths64) / lower64).clamp_min(0.0)

@@ -14,6 +14,10 @@ stops the P and D terms from winding I up against a clip. Unlike Stooke et al.'s
 ``(J_C - J_C,prev)_+``, the derivative is two-sided: a length that falls fast lowers lambda before it
 undershoots B.
 
+A lower bound (``bound="lower"``, the band constraint's lambda_lo, :class:`~laconic_nemo.core.band.LowerBound`)
+has the error of the other sign, ``e = 1 - mean_L / B``: ``lambda <- clip(lambda + eta * (1 - mean_L / B), floor,
+Lambda)`` rises while the mean length is BELOW its bound B.
+
 The initial lambda is used as given: it may lie below the floor (the authors' scripts start at
 ``lambda_len_init = 0`` with ``lambda_floor = 1e-5``); the first dual step clips it into [floor, Lambda].
 
@@ -28,10 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["CONTROLLERS", "DualController", "DualSettingError", "DualSettings", "check_dual", "default_ceiling", "dual_state_problem",
+__all__ = ["BOUNDS", "CONTROLLERS", "DualController", "DualSettingError", "DualSettings", "check_dual", "default_ceiling", "dual_state_problem",
            "load_shaper_state", "next_lambda", "shaper_problem", "shaper_state"]
 
 CONTROLLERS = ("integral", "pid")
+BOUNDS = ("upper", "lower")  # the constraint mean_L <= B (the paper's) or mean_L >= B (a band's lower bound)
 # the settings among a controller's saved state (DualController.state_dict), in its order
 STATE_SETTINGS = ("budget", "eta", "ceiling", "floor", "controller", "kp", "kd")
 
@@ -152,6 +157,8 @@ class DualController:
         controller: ``integral`` (the paper's step) or ``pid`` (module docstring); eta is the integral gain ki.
         kp: proportional gain >= 0 (pid only; lambda per unit of relative error mean_L / B - 1).
         kd: derivative gain >= 0 (pid only).
+        bound: ``upper`` (the constraint mean_L <= B, error ``mean_L / B - 1``) or ``lower`` (mean_L >= B, error
+            ``1 - mean_L / B``: lambda rises while the length is below B).
     """
 
     def __init__(
@@ -165,8 +172,12 @@ class DualController:
         controller: str = "integral",
         kp: float = 0.0,
         kd: float = 0.0,
+        bound: str = "upper",
     ) -> None:
         self.ceiling = check_dual(budget, eta, ceiling, floor, init, controller, kp, kd, max_length)
+        if bound not in BOUNDS:
+            raise DualSettingError("bound", bound, f"one of {', '.join(BOUNDS)}")
+        self.bound = bound
         self.budget, self.eta, self.floor = float(budget), float(eta), float(floor)
         self.controller, self.kp, self.kd = controller, float(kp), float(kd)
         self.max_length = None if max_length is None else float(max_length)
@@ -181,10 +192,14 @@ class DualController:
         """The current lambda (a Python float)."""
         return self._lam
 
-    def step_size(self, mean_length: float) -> float:
-        """The unclipped increment ``eta * (mean_L / B - 1)`` for a given mean length."""
+    def error(self, mean_length: float) -> float:
+        """The constraint's error: ``mean_L / B - 1`` (upper bound), ``1 - mean_L / B`` (lower bound)."""
         ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0", low=0.0)
-        return self.eta * (ml / self.budget - 1.0)
+        return ml / self.budget - 1.0 if self.bound == "upper" else 1.0 - ml / self.budget
+
+    def step_size(self, mean_length: float) -> float:
+        """The unclipped increment ``eta * e`` for a given mean length (e: :meth:`error`)."""
+        return self.eta * self.error(mean_length)
 
     def update(self, mean_length: float) -> float:
         """Apply one dual step with the mean response length of the WHOLE global batch; return the new lambda.
@@ -199,8 +214,7 @@ class DualController:
         return self._lam
 
     def _pid_update(self, mean_length: float) -> float:
-        ml = _finite("mean_length", mean_length, "a finite number of tokens >= 0", low=0.0)
-        err = ml / self.budget - 1.0
+        err = self.error(mean_length)
         deriv = 0.0 if self._prev_error is None else err - self._prev_error
         lam_prev = self._lam
         if (lam_prev >= self.ceiling and err > 0.0) or (lam_prev <= self.floor and err < 0.0):
@@ -238,6 +252,8 @@ class DualController:
         }
         if self.controller == "pid":
             state.update(integral=self._integral, prev_error=self._prev_error)
+        if self.bound != "upper":  # an upper bound's state is the one saved before lower bounds existed
+            state["bound"] = self.bound
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -253,7 +269,10 @@ class DualController:
         if problem is not None:
             key, value, allowed = problem
             raise ValueError(f"dual state_dict key {key!r} = {value!r} is invalid: allowed {allowed}")
-        state = {"controller": "integral", "kp": 0.0, "kd": 0.0, **state}
+        state = {"controller": "integral", "kp": 0.0, "kd": 0.0, "bound": "upper", **state}
+        if state["bound"] != self.bound:  # never carried over: the multiplier prices the other side
+            raise ValueError(f"dual state mismatch on 'bound': checkpoint has {state['bound']!r}, this run has "
+                             f"{self.bound!r}")
         lam = float(state["lam"])
         if strict:
             mine = self.state_dict()
@@ -283,7 +302,7 @@ class DualController:
     def __repr__(self) -> str:
         return (f"DualController(lam={self._lam!r}, budget={self.budget!r}, eta={self.eta!r}, "
                 f"ceiling={self.ceiling!r}, floor={self.floor!r}, controller={self.controller!r}, kp={self.kp!r}, "
-                f"kd={self.kd!r})")
+                f"kd={self.kd!r}, bound={self.bound!r})")
 
 
 _MISSING = object()
@@ -322,6 +341,8 @@ def dual_state_problem(state: Any) -> tuple[str, Any, str] | None:
     n = state.get("num_updates", 0)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         return "num_updates", n, "an integer >= 0"
+    if state.get("bound", "upper") not in BOUNDS:
+        return "bound", state["bound"], f"one of {', '.join(BOUNDS)}"
     controller = state.get("controller", "integral")
     if controller not in CONTROLLERS:
         return "controller", controller, f"one of {', '.join(CONTROLLERS)}"

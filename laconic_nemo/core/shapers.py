@@ -73,8 +73,8 @@ def constant_lambda(settings: Any) -> float:
 def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: float, *,
           max_length: float | None = None, truncated: torch.Tensor | None = None,
           targets: torch.Tensor | None = None, budgets: torch.Tensor | None = None,
-          lams: torch.Tensor | None = None, tail_penalty: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, dict[str, float]]:
+          lams: torch.Tensor | None = None, tail_penalty: torch.Tensor | None = None,
+          band_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Shape one rollout batch with the shaper ``settings.shaper`` and its settings.
 
     Args:
@@ -89,6 +89,8 @@ def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: floa
             ``(L_i - B_i) / B_i`` (clipped at 0 for laconic) and the multiplier of response i is ``lams[i]``.
         lams: [P, G] float64, each response's class multiplier lambda_k(i) (with ``budgets``).
         tail_penalty: [P, G] float64 ``mu 1[L > B_tail]`` subtracted from the shaped reward (tail constraint).
+        band_penalty: [P, G] float64 ``lambda_lo max((B_lo - L) / B_lo, 0)`` subtracted from the shaped reward
+            (the band's lower bound, :mod:`laconic_nemo.core.band`; outside ``penalty_cap``).
 
     Returns:
         shaped rewards [P, G] (rewards' float dtype) and Python-float metrics (:func:`shaping_metrics` plus the
@@ -123,6 +125,9 @@ def shape(settings: Any, rewards: torch.Tensor, lengths: torch.Tensor, lam: floa
     if tail_penalty is not None:
         shaped64 = shaped64 - tail_penalty.to(torch.float64)
         extra["mean_tail_penalty"] = float(tail_penalty.to(torch.float64).mean())
+    if band_penalty is not None:
+        shaped64 = shaped64 - band_penalty.to(torch.float64)
+        extra["mean_band_penalty"] = float(band_penalty.to(torch.float64).mean())
     metrics = shaping_metrics(r64, L64, truncated, shaped64, lam, settings.budget, fn.cost)
     metrics.update(extra)
     return shaped64.to(float_dtype_of(r)), metrics

@@ -29,8 +29,11 @@ def register(subparsers) -> None:
                    help="comma-separated budgets (e.g. 16,24,32 or 500,1000,2000); every problem is asked once per "
                         "budget, stated in the prompt (synthetic: by the run's data.target_instruction; math "
                         "benchmarks: by --target-instruction at the end of the user turn); prints per budget the "
-                        "mean length, mean length / budget, pass@1 and the share within 10%%, writes stated.md, "
-                        "stated.json and stated_budgets.png")
+                        "mean length, mean length / budget, pass@1, the share inside the band (--band) and within "
+                        "10%%, writes stated.md, stated.json and stated_budgets.png")
+    p.add_argument("--band", type=float, default=None,
+                   help="with --stated-budgets: rho of the band [rho x B, B] whose share is reported and drawn "
+                        "(default: the run's laconic.band where --model is a run with one, else 0.9)")
     p.add_argument("--target-instruction", default=" Think for {target} tokens.",
                    help="math benchmarks with --stated-budgets: the text stating a budget, {target} (or {budget}) "
                         "replaced by it; give the run's data.target_instruction (default: the schema's, L1's wording)")
@@ -72,8 +75,10 @@ def check_args(args) -> str | None:
     if args.warmed_up:
         return "--warmed-up applies to --benchmarks synthetic only"
     if getattr(args, "stated_budgets", None) is not None:
-        from laconic_nemo.eval.stated import check_instruction, parse_stated_budgets
+        from laconic_nemo.eval.stated import check_band, check_instruction, parse_stated_budgets
 
+        if check_band(getattr(args, "band", None)):
+            return check_band(args.band)
         if args.choice_files is not None:
             return "--stated-budgets and --choice-files exclude each other"
         try:
@@ -149,8 +154,10 @@ def _check_synthetic(args) -> str | None:
     longest_prompt = 2 + 2 * cfg.data.synthetic.max_terms + 1
     if getattr(args, "stated_budgets", None) is not None:
         from laconic_nemo.config import states_a_target, synthetic_unencodable
-        from laconic_nemo.eval.stated import parse_stated_budgets, stated_prompt
+        from laconic_nemo.eval.stated import check_band, parse_stated_budgets, stated_prompt
 
+        if check_band(getattr(args, "band", None)):
+            return check_band(args.band)
         try:
             budgets = parse_stated_budgets(args.stated_budgets)
         except ValueError as exc:
@@ -283,6 +290,7 @@ def main(args) -> int:
         except ValueError as exc:
             print(f"laconic-nemo eval: --choice-files: {exc}", file=sys.stderr)
             return 2
+    run_band = _run_band(args.model) if args.stated_budgets is not None else None
     try:  # a run directory or checkpoint: export it (once) next to the results
         args.model = hf_model_dir(args.model, os.path.join(args.output_dir, "model"), args.hf_config)
     except ExportError as exc:
@@ -302,7 +310,7 @@ def main(args) -> int:
                  prompt_fn=lambda text: chat_prompt(text, tokenizer))
         return 0
     if args.stated_budgets is not None:
-        return _stated_math(args, backend, benchmarks, sampling, name)
+        return _stated_math(args, backend, benchmarks, sampling, name, run_band)
     with MathReward(num_workers=args.grader_workers) as grader:
         evaluate(backend, benchmarks, args.output_dir, n_samples=args.n_samples, sampling=sampling, limit=args.limit,
                  grader=grader, seed=args.seed, chunk_prompts=args.chunk_prompts, model_name=name,
@@ -310,12 +318,25 @@ def main(args) -> int:
     return 0
 
 
-def _stated_math(args, backend, benchmarks: list[str], sampling, name: str) -> int:
+def _run_band(model: str) -> float | None:
+    """``laconic.band`` of the run or checkpoint ``model`` (None: not a run, or a run without the band)."""
+    from laconic_nemo.eval.synthetic import run_config
+    from laconic_nemo.tools.export import ExportError
+
+    try:
+        cfg, _ = run_config(os.path.expanduser(model))
+    except (ExportError, OSError, ValueError):  # an HF folder, not a run
+        return None
+    return cfg.laconic.band
+
+
+def _stated_math(args, backend, benchmarks: list[str], sampling, name: str, run_band: float | None = None) -> int:
     """``--stated-budgets`` on the math benchmarks: one benchmark ``stated_<b>`` per budget (every problem of
-    ``benchmarks`` with b stated at the end of its user turn), graded by the math reward; the per-budget table."""
+    ``benchmarks`` with b stated at the end of its user turn), graded by the math reward; the per-budget table
+    (the band's share with rho :func:`~laconic_nemo.eval.stated.band_of` ``--band`` and ``run_band``, the run's)."""
     from laconic_nemo.eval.benchmarks import chat_prompt
     from laconic_nemo.eval.runner import evaluate
-    from laconic_nemo.eval.stated import math_stated_problems, parse_stated_budgets, report_from_samples
+    from laconic_nemo.eval.stated import band_of, math_stated_problems, parse_stated_budgets, report_from_samples
     from laconic_nemo.rewards import MathReward
 
     budgets = parse_stated_budgets(args.stated_budgets)
@@ -328,7 +349,7 @@ def _stated_math(args, backend, benchmarks: list[str], sampling, name: str) -> i
     table = report_from_samples(args.output_dir, problems, budgets, None, args.n_samples, name, {
         "instruction": str(args.target_instruction), "benchmarks": benchmarks, "n_samples": args.n_samples,
         "limit": args.limit, "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens, "seed": args.seed})
+        "max_tokens": sampling.max_tokens, "seed": args.seed, "band": band_of(getattr(args, "band", None), run_band)})
     print(f"{name}: stated budgets (user turn + {str(args.target_instruction)!r})")
     print(table, end="")
     return 0
@@ -371,7 +392,7 @@ def _stated(args, cfg, backend, sampling, name: str) -> int:
     """``--stated-budgets``: one benchmark ``stated_<b>`` per budget in one resumable evaluation, then the
     per-budget table (:mod:`laconic_nemo.eval.stated`)."""
     from laconic_nemo.eval.runner import evaluate
-    from laconic_nemo.eval.stated import parse_stated_budgets, report_from_samples, stated_problems
+    from laconic_nemo.eval.stated import band_of, parse_stated_budgets, report_from_samples, stated_problems
     from laconic_nemo.eval.synthetic import ExactAnswerGrader
 
     budgets = parse_stated_budgets(args.stated_budgets)
@@ -382,7 +403,8 @@ def _stated(args, cfg, backend, sampling, name: str) -> int:
     table = report_from_samples(args.output_dir, problems, budgets, args.limit, args.n_samples, name, {
         "instruction": cfg.data.target_instruction, "n_samples": args.n_samples, "limit": args.limit,
         "synthetic_problems": args.synthetic_problems, "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens, "seed": args.seed})
+        "max_tokens": sampling.max_tokens, "seed": args.seed,
+        "band": band_of(getattr(args, "band", None), cfg.laconic.band)})
     print(f"{name}: stated budgets (prompt + {cfg.data.target_instruction!r})")
     print(table, end="")
     return 0

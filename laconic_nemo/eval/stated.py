@@ -12,10 +12,13 @@ prints and writes (:func:`stated_rows`):
 * mean length / budget;
 * pass@1: the mean correctness over all samples (the training reward's rule);
 * share within 10%: the share of samples with ``|L - b| <= 0.1 b``;
+* share in the band: the share with ``rho b <= L <= b`` (the band constraint's ``[B_lo, B]``,
+  :mod:`laconic_nemo.core.band`; rho: ``--band``, default the run's ``laconic.band``, else :data:`DEFAULT_BAND`);
 * share over budget: the share with ``L > b``.
 
-Files: ``stated.md`` (the table), ``stated.json`` (its rows and the settings) and ``stated_budgets.png``
-(stated budget on x, measured mean length on y, the diagonal L = b and its 10% band; pass@1 per budget beside).
+Files: ``stated.md`` (the table), ``stated.json`` (its rows and the settings, ``band`` among them) and
+``stated_budgets.png`` (stated budget on x, measured mean length on y, the diagonal L = b and the band
+``[rho b, b]`` shaded; pass@1 per budget beside).
 """
 
 from __future__ import annotations
@@ -30,6 +33,19 @@ PREFIX = "stated_"
 TABLE = "stated.md"
 JSON = "stated.json"
 PLOT = "stated_budgets.png"
+DEFAULT_BAND = 0.9  # rho of the reported band [rho b, b] when neither --band nor the run's laconic.band gives one
+
+
+def band_of(flag: float | None, run_band: float | None) -> float:
+    """rho of the reported band: ``--band``, else the run's ``laconic.band``, else :data:`DEFAULT_BAND`."""
+    return float(flag if flag is not None else run_band if run_band is not None else DEFAULT_BAND)
+
+
+def check_band(value: float | None) -> str | None:
+    """None when ``--band`` is unset or in (0, 1), else the error naming the flag."""
+    if value is None or 0.0 < value < 1.0:
+        return None
+    return f"--band = {value} is invalid: allowed a number in (0, 1) (the band [band x B, B])"
 
 
 def parse_stated_budgets(text: str, flag: str = "--stated-budgets") -> list[int]:
@@ -87,13 +103,15 @@ def check_instruction(instruction: str, flag: str) -> str | None:
 def report_from_samples(output_dir: str, problems: dict[str, list], budgets: list[int], limit: int | None,
                         n_samples: int, name: str, settings: dict) -> str:
     """The table of this evaluation's samples (an output folder may hold more, from an earlier one with other
-    settings), written by :func:`write_report`; returns the table."""
+    settings), written by :func:`write_report`; ``settings["band"]``: rho of the reported band (default
+    :data:`DEFAULT_BAND`); returns the table."""
     from laconic_nemo.eval.runner import SAMPLES, read_samples
 
     asked = {(b, p.index) for b, ps in problems.items() for p in ps[:limit]}
     samples = [r for r in read_samples(os.path.join(output_dir, SAMPLES))
                if (r["benchmark"], r["index"]) in asked and r["sample"] < n_samples]
-    return write_report(output_dir, name, stated_rows(samples, budgets), settings)
+    band = float(settings.get("band", DEFAULT_BAND))
+    return write_report(output_dir, name, stated_rows(samples, budgets, band), {**settings, "band": band})
 
 
 def benchmark_name(budget: int) -> str:
@@ -112,10 +130,11 @@ def stated_problems(cfg, budgets: Iterable[int], num_problems: int, seed: int = 
                                 for p in base] for b in budgets}
 
 
-def stated_rows(samples: list[dict], budgets: Iterable[int]) -> list[dict]:
+def stated_rows(samples: list[dict], budgets: Iterable[int], band: float = DEFAULT_BAND) -> list[dict]:
     """Per stated budget b (in the given order), from the evaluation's sample rows (``benchmark``, ``num_tokens``,
     ``score``): n (samples), mean_length, length_ratio (mean_length / b), pass@1, within_10 (share with
-    ``|L - b| <= 0.1 b``), over_budget (share with ``L > b``). A budget without samples is a ValueError."""
+    ``|L - b| <= 0.1 b``), in_band (share with ``band * b <= L <= b``), over_budget (share with ``L > b``). A
+    budget without samples is a ValueError."""
     out = []
     for b in budgets:
         rows = [r for r in samples if r["benchmark"] == benchmark_name(b)]
@@ -127,21 +146,23 @@ def stated_rows(samples: list[dict], budgets: Iterable[int]) -> list[dict]:
         out.append({"budget": int(b), "n": n, "mean_length": mean_len, "length_ratio": mean_len / b,
                     "pass@1": sum(float(r["score"]) for r in rows) / n,
                     "within_10": sum(abs(L - b) <= WITHIN * b for L in lengths) / n,
+                    "in_band": sum(band * b <= L <= b for L in lengths) / n,
                     "over_budget": sum(L > b for L in lengths) / n})
     return out
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| stated budget | mean length | mean length / budget | pass@1 | share within 10% | share over budget |",
-             "| --- | --- | --- | --- | --- | --- |"]
+def markdown(rows: list[dict], band: float = DEFAULT_BAND) -> str:
+    lines = [f"| stated budget | mean length | mean length / budget | pass@1 | share in band [{band:g} B, B] | "
+             "share within 10% | share over budget |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['budget']} | {r['mean_length']:.1f} | {r['length_ratio']:.2f} | {r['pass@1']:.3f} | "
-              f"{r['within_10']:.3f} | {r['over_budget']:.3f} |" for r in rows]
+              f"{r['in_band']:.3f} | {r['within_10']:.3f} | {r['over_budget']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def plot(path: str, runs: list[tuple[str, list[dict]]]) -> None:
-    """Stated budget (x) against measured mean length (y), one line per run, with the diagonal L = b and its 10%
-    band; beside it pass@1 per stated budget."""
+def plot(path: str, runs: list[tuple[str, list[dict]]], band: float = DEFAULT_BAND) -> None:
+    """Stated budget (x) against measured mean length (y), one line per run, with the diagonal L = b, the band
+    ``[band b, b]`` shaded and the 10% lines dotted; beside it pass@1 per stated budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,8 +173,10 @@ def plot(path: str, runs: list[tuple[str, list[dict]]]) -> None:
     lo, hi = min(budgets), max(budgets)
     top = max([hi] + [r["mean_length"] for _, rows in runs for r in rows]) * 1.1
     ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="diagonal (L = budget)")
-    ax.fill_between([0, top], [0, (1 - WITHIN) * top], [0, (1 + WITHIN) * top], color="gray", alpha=0.12,
-                    label="within 10%")
+    ax.fill_between([0, top], [0, band * top], [0, top], color="tab:green", alpha=0.15,
+                    label=f"band [{band:g} B, B]")
+    for f in (1 - WITHIN, 1 + WITHIN):
+        ax.plot([0, top], [0, f * top], color="gray", lw=0.8, ls=":", label="within 10%" if f > 1 else None)
     for i, (name, rows) in enumerate(runs):
         xs = [r["budget"] for r in rows]
         ax.plot(xs, [r["mean_length"] for r in rows], marker="os^Dv"[i % 5], label=name)
@@ -175,11 +198,13 @@ def plot(path: str, runs: list[tuple[str, list[dict]]]) -> None:
 
 
 def write_report(output_dir: str, name: str, rows: list[dict], settings: dict) -> str:
-    """``stated.md``, ``stated.json`` and ``stated_budgets.png`` in ``output_dir``; returns the table."""
-    table = markdown(rows)
+    """``stated.md``, ``stated.json`` and ``stated_budgets.png`` in ``output_dir`` (the band of ``settings["band"]``,
+    default :data:`DEFAULT_BAND`); returns the table."""
+    band = float(settings.get("band", DEFAULT_BAND))
+    table = markdown(rows, band)
     with open(os.path.join(output_dir, TABLE), "w") as f:
         f.write(table)
     with open(os.path.join(output_dir, JSON), "w") as f:
         json.dump({"model": name, "rows": rows, **settings}, f, indent=2)
-    plot(os.path.join(output_dir, PLOT), [(name, rows)])
+    plot(os.path.join(output_dir, PLOT), [(name, rows)], band)
     return table

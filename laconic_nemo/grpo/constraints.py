@@ -135,8 +135,9 @@ def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], constraints:
                         strict: bool = True, allow: Sequence[str] | None = None) -> None:
     """Load ``state`` (a checkpoint's trainer state) into this run's ``constraints``: lambda's controller
     (:func:`~laconic_nemo.core.constraint_state.load_lambda_state`), each budget class by its key, the tail constraint
-    by its settings; the carry-over entries of ``allow`` (default: ``cfg``'s ``checkpoint.resume_allow_changes``)
-    decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
+    by its settings, the band's lower bounds with their classes (the mean-length constraint's band by
+    :meth:`Constraints.load_band_state`); the carry-over entries of ``allow`` (default: ``cfg``'s
+    ``checkpoint.resume_allow_changes``) decide what happens where they differ (:class:`~laconic_nemo.core.CarryOver`).
 
     A constraint the checkpoint has and this run lacks is dropped (turning it off is a config change that
     ``checkpoint.resume_allow_changes`` must accept). Raises :class:`ResumeRefused`: one line naming the checkpoint,
@@ -146,6 +147,10 @@ def restore_constraints(ckpt: str | Path, state: Mapping[str, Any], constraints:
     carry = CarryOver.parse(allow)
     saved = state.get("constraints") or {}
     classes, tail = constraints.classes, constraints.tail
+    try:
+        constraints.load_band_state(saved.get("band"), strict=strict)
+    except ValueError as exc:
+        raise ResumeError(f"cannot resume from {ckpt}: {exc}") from None
     problems, entries, drop = [], [], []
     steps = [(lambda: load_lambda_state(cfg.laconic.shaper, constraints.dual, state, carry, strict=strict))]
     steps += [functools.partial(mine.load_state_dict, saved.get(name), strict=strict,

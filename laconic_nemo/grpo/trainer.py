@@ -114,19 +114,20 @@ class StopSignals:
 def shaped_advantages(cfg: Config, rewards: torch.Tensor, lengths: torch.Tensor, lam: float,
                       truncated: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                       budgets: torch.Tensor | None = None, lams: torch.Tensor | None = None,
-                      tail_penalty: torch.Tensor | None = None
+                      tail_penalty: torch.Tensor | None = None, band_penalty: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Steps 4 and 5 on one rank's groups: the shaper of ``cfg.laconic`` at lambda ``lam`` (L_max =
     ``rollout.max_new_tokens``), then the group advantages of the ``grpo:`` settings.
 
     rewards, lengths: [P, G] task rewards r and lengths L; truncated: [P, G] bool or None (``L >= L_max``);
     targets: [P, G] n_gold of the L1 baselines; budgets, lams: [P, G] per-prompt budgets B_i and their class
-    multipliers (laconic.per_prompt_budget); tail_penalty: [P, G] ``mu 1[L > B_tail]``. Returns (shaped rewards
+    multipliers (laconic.per_prompt_budget); tail_penalty: [P, G] ``mu 1[L > B_tail]``; band_penalty: [P, G]
+    ``lambda_lo max((B_lo - L) / B_lo, 0)`` (laconic.band). Returns (shaped rewards
     [P, G], advantages [P, G], the shaper's metrics)."""
     g = cfg.grpo
     shaped, metrics = shape(cfg.laconic, rewards, lengths, lam, max_length=cfg.rollout.max_new_tokens,
                             truncated=truncated, targets=targets, budgets=budgets, lams=lams,
-                            tail_penalty=tail_penalty)
+                            tail_penalty=tail_penalty, band_penalty=band_penalty)
     return shaped, group_advantages(shaped, eps=g.advantage_eps, leave_one_out=g.leave_one_out,
                                     std=g.advantage_std), metrics
 
@@ -364,11 +365,13 @@ class GRPOTrainer:
             G = g.group_size
             budgets = rollout.budgets
             lams, tail_penalty = self.constraints.penalties(lengths, budgets, G)
+            band_penalty = self.constraints.band_penalty(lengths, budgets, G)
             _, advantages, shaper_metrics = shaped_advantages(
                 self.cfg, task_reward.view(-1, G), lengths.view(-1, G), self.lam,
                 truncated=None if truncated is None else truncated.view(-1, G),
                 targets=None if targets is None else targets.view(-1, G),
-                budgets=None if budgets is None else budgets.view(-1, G), lams=lams, tail_penalty=tail_penalty)
+                budgets=None if budgets is None else budgets.view(-1, G), lams=lams, tail_penalty=tail_penalty,
+                band_penalty=band_penalty)
 
         batch = TrainBatch(
             tokens=gen.tokens,
@@ -423,7 +426,8 @@ class GRPOTrainer:
         """Per budget class, over the global batch (integer counts all-reduced over DP): the mean of L_i / B_i, the
         shares within 10% of B_i and over it, and pass@1 (task reward > CORRECT), as ``budget_class/<name>/...``."""
         c = self.report_classes
-        local = report_counts(lengths, task_reward > CORRECT, c.budget_index(budgets), c.budgets)
+        local = report_counts(lengths, task_reward > CORRECT, c.budget_index(budgets), c.budgets,
+                              None if c.band is None else c.band.rho)
         counts = allreduce_sum(local, group=self.actor.dp_group, dtype=torch.int64).tolist()
         return {f"budget_class/{name}/{k}": v for name, row in class_report(c, counts).items() for k, v in row.items()}
 

@@ -10,8 +10,10 @@ State format (what each framework's checkpoint holds, JSON-safe plain scalars)::
     {"format": "laconic-multipliers/1",
      "multipliers": {"length": DualController.state_dict()}}
 
-``multipliers`` is keyed by constraint name. Today there is one, ``length`` (the paper's lambda on the mean response
-length). A constraint added later is one more key: a checkpoint that holds fewer multipliers than the run restores
+``multipliers`` is keyed by constraint name: ``length`` (the paper's lambda on the mean response length) and, with
+the band (``band`` = rho, :mod:`laconic_nemo.core.band`), ``length_lo``, the lower bound's lambda_lo on the same
+mean length (``B_lo = rho B``; a lower-bound controller, its state's ``bound`` is ``lower``). A constraint added
+later is one more key: a checkpoint that holds fewer multipliers than the run restores
 those it holds and leaves the others at their initial value, so adding a constraint never breaks resume.
 """
 
@@ -24,13 +26,15 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from laconic_nemo.core import SHAPERS, DualController, lambda_controller, shape
+from laconic_nemo.core import SHAPERS, Band, DualController, lambda_controller, shape
 from laconic_nemo.core.dual import DualSettingError, DualSettings
 
-__all__ = ["LENGTH", "STATE_FORMAT", "LaconicSettings", "LaconicState", "dual_shapers"]
+__all__ = ["BAND_METRICS", "LENGTH", "LENGTH_LO", "STATE_FORMAT", "LaconicSettings", "LaconicState", "dual_shapers"]
 
 STATE_FORMAT = "laconic-multipliers/1"
 LENGTH = "length"  # the multiplier of the mean-length constraint (the paper's lambda)
+LENGTH_LO = "length_lo"  # the band's lower bound on the mean length (lambda_lo)
+BAND_METRICS = ("lambda_lo", "mean_band_penalty")  # the batch metrics the band adds (LaconicState.lagrangian_reward)
 
 
 def dual_shapers() -> tuple[str, ...]:
@@ -46,12 +50,17 @@ class LaconicSettings(DualSettings):
     B / (max_length - B) when max_length is given, else no upper clip), max_length L_max (a response of that length
     counts as truncated), lambda_init, floor, controller / kp / kd: ``integral`` (the paper) or ``pid``) and the
     shaper's: shaper ``laconic`` (clipped cost) or ``linear`` (the cost ablation), penalty_cap / hit_cap (the
-    authors' code knobs).
+    authors' code knobs) and the band's (:class:`~laconic_nemo.core.band.Band`): band (rho: a lower bound
+    ``B_lo = rho B`` on the mean length beside B, with its own multiplier; None: the paper's one-sided constraint),
+    band_eta (None: eta) and band_ceiling (None: the ceiling Lambda).
     """
 
     shaper: str = "laconic"
     penalty_cap: float | None = None
     hit_cap: float = 0.0
+    band: float | None = None
+    band_eta: float | None = None
+    band_ceiling: float | None = None
 
     def __post_init__(self) -> None:
         allowed = dual_shapers()
@@ -62,6 +71,7 @@ class LaconicSettings(DualSettings):
             raise ValueError(f"laconic.penalty_cap must be a number > 0 or null, got {self.penalty_cap!r}")
         if isinstance(self.hit_cap, bool) or not isinstance(self.hit_cap, (int, float)) or not self.hit_cap >= 0:
             raise ValueError(f"laconic.hit_cap must be a number >= 0, got {self.hit_cap!r}")
+        Band.of(self)  # ValueError naming laconic.band / band_eta / band_ceiling
         try:
             self.controller_for()
         except DualSettingError as e:  # names the controller's argument; say which settings key it is
@@ -98,7 +108,12 @@ class LaconicState:
 
     def __init__(self, settings: LaconicSettings):
         self.settings = settings
-        self.multipliers: dict[str, DualController] = {LENGTH: settings.controller_for()}
+        length = settings.controller_for()
+        self.multipliers: dict[str, DualController] = {LENGTH: length}
+        band = Band.of(settings)
+        self.band = None if band is None else band.lower(length.eta, length.ceiling)  # lambda_lo, or None
+        if self.band is not None:
+            self.multipliers[LENGTH_LO] = self.band.dual
 
     @property
     def lam(self) -> float:
@@ -112,7 +127,8 @@ class LaconicState:
 
     def lagrangian_reward(self, rewards: torch.Tensor | Sequence[float], lengths: torch.Tensor | Sequence[int],
                           truncated: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """``r - min(lambda * c(L), penalty_cap) - hit_cap * 1[truncated]`` with the current lambda.
+        """``r - min(lambda * c(L), penalty_cap) - hit_cap * 1[truncated]`` with the current lambda (with the band,
+        minus ``lambda_lo max((B_lo - L) / B_lo, 0)`` too).
 
         Args:
             rewards: [N] task rewards r. lengths: [N] response lengths L in tokens.
@@ -120,7 +136,8 @@ class LaconicState:
 
         Returns:
             float64 tensor [N] and the shaper's batch metrics (Python floats: mean_length, frac_over_budget,
-            mean_cost, mean_penalty, ...) over these N responses.
+            mean_cost, mean_penalty, ..., with the band :data:`BAND_METRICS`: lambda_lo and mean_band_penalty)
+            over these N responses.
         """
         r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1, 1)
         L = torch.as_tensor(lengths).reshape(-1, 1)
@@ -128,15 +145,20 @@ class LaconicState:
         # so the batch is handed over as N groups of one ([N, 1]).
         trunc = None if truncated is None else torch.as_tensor(truncated).reshape(-1, 1)
         s = self.settings
-        shaped, metrics = shape(s, r, L, self.lam, truncated=trunc,
+        band = None if self.band is None else self.band.value * self.band.cost64(L.to(torch.float64), s.budget)
+        shaped, metrics = shape(s, r, L, self.lam, truncated=trunc, band_penalty=band,
                                 max_length=None if s.max_length is None else float(s.max_length))
+        if self.band is not None:
+            metrics["lambda_lo"] = self.band.value
         return shaped.view(-1), metrics
 
     def dual_step(self, global_mean_length: float) -> float:
-        """One dual step of every multiplier with the mean response length of the WHOLE global batch; the new
-        lambda."""
+        """One dual step of every multiplier with the mean response length of the WHOLE global batch (the band's
+        lambda_lo on ``mean_L / B``); the new lambda."""
         if isinstance(global_mean_length, bool) or not math.isfinite(float(global_mean_length)):
             raise ValueError(f"global_mean_length must be a finite number of tokens, got {global_mean_length!r}")
+        if self.band is not None:
+            self.band.update(float(global_mean_length) / float(self.settings.budget))
         return self.multipliers[LENGTH].update(float(global_mean_length))
 
     def state_dict(self) -> dict[str, Any]:

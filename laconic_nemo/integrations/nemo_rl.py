@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from laconic_nemo.integrations.common import LaconicSettings, LaconicState
+from laconic_nemo.integrations.common import BAND_METRICS, LaconicSettings, LaconicState
 
 __all__ = ["SAVE_STATE_KEY", "LaconicRewardShaping", "response_lengths"]
 
@@ -115,6 +115,7 @@ class LaconicRewardShaping:
                "frac_over_budget": metrics["frac_over_budget"], "frac_truncated": metrics["frac_truncated"],
                "mean_cost": metrics["mean_cost"], "mean_penalty": metrics["mean_penalty"],
                "task_reward": metrics["task_reward_mean"]}
+        row.update({k: metrics[k] for k in BAND_METRICS if k in metrics})  # the band's lambda_lo, its mean penalty
         self.history.append(row)
         self._publish()
         if self.logger is not None:

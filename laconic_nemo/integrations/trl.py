@@ -45,7 +45,7 @@ from accelerate.utils import gather
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from laconic_nemo.integrations.common import LaconicSettings, LaconicState
+from laconic_nemo.integrations.common import BAND_METRICS, LaconicSettings, LaconicState
 
 __all__ = ["Laconic", "LaconicCallback"]
 
@@ -59,7 +59,8 @@ class Laconic:
     """The LACONIC plug-in of one ``GRPOTrainer``: the multipliers, the reward wrapper and the callback.
 
     Args: the :class:`~laconic_nemo.integrations.common.LaconicSettings` (budget B, eta, ceiling Lambda,
-    max_length L_max, lambda_init, floor, shaper, penalty_cap, hit_cap, controller, kp, kd), and
+    max_length L_max, lambda_init, floor, shaper, penalty_cap, hit_cap, controller, kp, kd, band, band_eta,
+    band_ceiling), and
     ``strict_resume``: refuse a checkpoint whose controller settings differ from these (False: keep these and
     clip the restored lambda into [floor, ceiling]).
 
@@ -118,7 +119,8 @@ class Laconic:
             values = {"lambda": lam, "mean_length": global_mean, "frac_over_budget": metrics["frac_over_budget"],
                       "mean_cost": metrics["mean_cost"], "mean_penalty": metrics["mean_penalty"],
                       "task_reward": metrics["task_reward_mean"]}
-            for key in _METRICS:
+            values.update({k: metrics[k] for k in BAND_METRICS if k in metrics})  # the band's, where it is on
+            for key in (*_METRICS, *(k for k in BAND_METRICS if k in values)):
                 log_metric(f"laconic/{key}", float(values[key]))
         return [float(s) if ok else None for s, ok in zip(shaped.tolist(), present)]
 

@@ -48,7 +48,7 @@ from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn, register_adv_est
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-from laconic_nemo.integrations.common import LaconicSettings, LaconicState
+from laconic_nemo.integrations.common import BAND_METRICS, LaconicSettings, LaconicState
 
 __all__ = ["ESTIMATOR", "STATE_FILE", "LaconicCheckpointCallback", "compute_laconic_advantage", "resume_folder"]
 
@@ -123,6 +123,7 @@ class LaconicCheckpointCallback(CheckpointCallback):
         row = {"step": self.state.num_steps, "lambda": lam, "mean_length": mean_length, "next_lambda": new,
                "frac_over_budget": metrics["frac_over_budget"], "mean_cost": metrics["mean_cost"],
                "mean_penalty": metrics["mean_penalty"], "task_reward": metrics["task_reward_mean"]}
+        row.update({k: metrics[k] for k in BAND_METRICS if k in metrics})  # the band's lambda_lo, its mean penalty
         self.history.append(row)
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with self.metrics_path.open("a") as f:

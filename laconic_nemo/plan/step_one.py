@@ -137,6 +137,7 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
         lines.append(f"reasoning-only L: tokens before {marker!r} ({where}{'' if ids is None else f': ids {ids}'}); "
                      "a response without it is charged in full")
     stated = d.stated_budgets()  # a synthetic instruction's characters are checked with the config (config.py)
+    budgets = None
     if lc.per_prompt_budget:
         budgets = stated
         source = "data.target_lengths" if d.target_lengths is not None else "data.target_length_range"
@@ -160,11 +161,36 @@ def constraint_lines(cfg: Config, tokenizer: Any = None) -> list[str]:
                              for n, dl in zip(classes.names, classes.duals))
             lines.append(f"per-prompt budgets from {source}: {len(classes)} classes, one multiplier each, eta "
                          f"{lc.eta:g}: {desc}")
+    lines += _band_lines(cfg, budgets)
     t = build_constraints(cfg).tail
     if t is not None:
         lines.append(f"tail: share of L > B_tail = {t.tail_budget:g} at most q = {t.share:g}; mu_init {t.value:g}, "
                      f"eta {lc.tail_eta:g}, ceiling {t.dual.ceiling:g}")
     return lines
+
+
+def _band_lines(cfg: Config, budgets: list[float] | None) -> list[str]:
+    """The band's line of ``plan`` (laconic.band): per class (``budgets``: the run's per-prompt budgets; None
+    without them, or where the data files are not here) its lower bound B_lo = rho B and lambda_lo's eta and
+    ceiling; without per-prompt budgets the mean-length constraint's."""
+    from laconic_nemo.grpo.constraints import build_constraints
+
+    lc = cfg.laconic
+    if lc.band is None:
+        return []
+    head = f"band: L in [{lc.band:g} B, B], a lower bound B_lo = {lc.band:g} B beside each upper bound with its own"
+    if not lc.per_prompt_budget:
+        lo = build_constraints(cfg).band
+        return [f"{head} lambda_lo (init 0, eta {lo.eta:g}, ceiling {lo.ceiling:g}) of the mean length: B_lo = "
+                f"{lc.band * lc.budget:g} beside B = {lc.budget:g}"]
+    if budgets is None:
+        return [f"{head} lambda_lo per budget class (classes built at start)"]
+    classes = build_constraints(cfg, budgets).classes
+    desc = ", ".join(f"{n}: B_lo = {lc.band * classes.class_budgets(k)[0]:g}"
+                     + ("" if len(classes.members[k]) == 1 else f"..{lc.band * classes.class_budgets(k)[-1]:g}")
+                     + f" (eta {lo.eta:g}, ceiling {lo.ceiling:g})"
+                     for k, (n, lo) in enumerate(zip(classes.names, classes.lower)))
+    return [f"{head} lambda_lo per budget class (init 0): {desc}"]
 
 
 def _preview(cfg: Config, out: StepOneBuild, tok_path: str | None, tok: Any = None) -> None:

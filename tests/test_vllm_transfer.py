@@ -241,8 +241,9 @@ def _modules(transfer: bool = True, llm_cls=LLM) -> dict[str, types.ModuleType]:
 def stand_in(monkeypatch):
     """Install a vLLM stand-in: ``stand_in(transfer=True, llm_cls=LLM)``; the refit choice is made afresh."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "")  # recorded, so that teardown restores what was there
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.setenv(var, "")  # recorded, so that teardown restores what was there
+        monkeypatch.delenv(var)
     LLM.made.clear()
     IPCTrainerEngine.made.clear()
 
@@ -301,10 +302,15 @@ def test_refit_is_decided_once_from_what_the_installed_vllm_provides(stand_in, t
     assert llm.kwargs["device_ids"] == ["GPU-aaaa", "GPU-bbbb"] and llm.tp == 2
     assert "distributed_executor_backend" not in llm.kwargs and llm.kwargs["enable_sleep_mode"] is True
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # vLLM's engine runs in its own processes
+    # the IPC handles go to that process through collective_rpc's msgpack, which takes them only with pickle allowed
+    # (vllm/v1/serial_utils.py:220-233, :476-480)
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert llm.log == ["sleep2"]
 
     LLM.made.clear()
+    del os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"]
     rpc = _engine(tmp_path, policy, refit="rpc")
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
     assert rpc.transfer is None and LLM.made[0].kwargs["distributed_executor_backend"] == "external_launcher"
 
     class NoFinish(LLM):

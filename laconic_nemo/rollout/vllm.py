@@ -191,7 +191,11 @@ class VLLMRolloutEngine:
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 kwargs["distributed_executor_backend"] = "external_launcher"
             else:
-                # vLLM's own engine process(es) on this group's GPUs; weights by CUDA IPC
+                # vLLM's own engine process(es) on this group's GPUs; weights by CUDA IPC. The IPC handles (tuples of
+                # types, dtypes and bytes) reach the engine process through collective_rpc, whose msgpack encoder
+                # takes them only with pickle allowed (vllm/v1/serial_utils.py:220-233 to encode, :476-480 to decode,
+                # in 0.33.0); both ends are this job's own processes.
+                os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
                 kwargs["weight_transfer_config"] = self.transfer.WeightTransferConfig(backend="ipc")
                 kwargs["device_ids"] = list(self.group.gpu_uuids)
             self.llm = vllm.LLM(**kwargs)

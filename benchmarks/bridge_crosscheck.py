@@ -12,8 +12,11 @@ models of tests/dist/bridge_common.py, saved as a Hugging Face folder) it builds
   project's bridge loaded, against the checkpoint's tensors and the project's own export
   (``laconic_nemo.bridge.export_hf_state_dict``): the same names, shapes and values;
 * import: ``AutoBridge.load_hf_weights(model)`` (``auto_bridge.py:573-629``, the bridge built by
-  ``AutoBridge.from_hf_pretrained(folder)``, ``:459-538``) into a second, randomly initialised model, against the
+  ``AutoBridge.from_hf_pretrained(folder)``, ``:458-537``) into a second, randomly initialised model, against the
   parameters the project's ``load_hf_state_dict`` wrote: the same values in every megatron parameter.
+
+Both directions use the project's layout with the vocabulary unpadded, Megatron-Bridge's convention
+(:func:`compare_family`); what AutoBridge does with the padded vocabulary the project trains with is printed beside.
 
 Megatron-Bridge maps megatron names written for TransformerEngine's fused layer norms (``linear_qkv.layer_norm_weight``)
 and adds the separate-norm names of the local spec the project builds (``input_layernorm.weight``; megatron-bridge
@@ -40,10 +43,38 @@ sys.path.insert(0, str(ROOT / "tests" / "dist"))  # bridge_common: the tiny mode
 FAMILIES = ("qwen2", "qwen2_tied", "qwen3", "llama")
 
 
+LORA_LAYERS = "megatron.bridge.peft.lora_layers"
+STAND_IN = []  # what was stood in for to import Megatron-Bridge (printed with the result)
+
+
+def _stand_in_lora_layers() -> None:
+    """megatron-bridge 0.6.2 imports TransformerEngine unconditionally in one module, its LoRA layers
+    (``megatron/bridge/peft/lora_layers.py:20``), which ``import megatron.bridge`` reaches through its PEFT code. A
+    plain model's conversion never builds a LoRA layer (the exporter only asks whether a module is one), so where
+    TransformerEngine is absent (a bare GPU host, a CPU machine) that module is replaced by empty classes of the names
+    the rest of Megatron-Bridge imports from it; nothing of TransformerEngine is stood in for, so megatron-core keeps
+    its own no-TransformerEngine paths."""
+    import types
+
+    module = types.ModuleType(LORA_LAYERS)
+    for name in ("LinearAdapter", "LoRALinear", "LoRATopKRouter", "TEFusedLoRALinear"):
+        setattr(module, name, type(name, (), {}))
+    sys.modules[LORA_LAYERS] = module
+    STAND_IN.append(f"{LORA_LAYERS} (its LoRA layers need TransformerEngine, absent here)")
+
+
 def megatron_bridge_missing() -> str | None:
-    """Why ``megatron.bridge.AutoBridge`` cannot be imported here, or None when it can."""
+    """Why ``megatron.bridge.AutoBridge`` cannot be imported here, or None when it can (after standing in for its
+    LoRA layers when only TransformerEngine is missing: :func:`_stand_in_lora_layers`)."""
     try:
         from megatron.bridge import AutoBridge  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "transformer_engine" or STAND_IN:
+            return f"{type(exc).__name__}: {exc}"
+        for name in [m for m in sys.modules if m == "megatron.bridge" or m.startswith("megatron.bridge.")]:
+            del sys.modules[name]  # the partial import, redone with the stand-in
+        _stand_in_lora_layers()
+        return megatron_bridge_missing()
     except Exception as exc:  # noqa: BLE001 - any failure to import is a reason to skip, named
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -56,7 +87,13 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_family(family: str, device: str, folder: Path) -> dict:
-    """The two comparisons of the module docstring for one layout; returns the row (mismatch lists, max diffs)."""
+    """The two comparisons of the module docstring for one layout; returns the row (what differs, max diffs).
+
+    Both use the project's layout with the vocabulary unpadded (``model_provider(vocab_divisible_by=1)``): Megatron-
+    Bridge never pads it (its divisor is the largest power of two <= 128 that divides the vocabulary,
+    megatron-bridge 0.6.2 ``model_bridge.py:1505-1536``) and its embedding mapping requires the Hugging Face shape
+    (``:1135-1146``), while the project pads to a multiple of 128 x TP and drops the padding on export. What
+    AutoBridge does with the padded layout the project trains with is recorded beside (``padded``)."""
     from bridge_common import hf_checkpoint_tensors, tiny_hf_model
     from megatron.bridge import AutoBridge
 
@@ -67,31 +104,43 @@ def compare_family(family: str, device: str, folder: Path) -> dict:
     hf.save_pretrained(str(folder))
     arch = arch_from_hf_config(str(folder))
     reference = hf_checkpoint_tensors(hf, arch.tie_word_embeddings)
-
-    def fresh():
-        model = model_provider(arch, cpu=device == "cpu", dtype=torch.float32)(True, True)
-        return model.to(device)
-
-    ours = fresh()
-    load_hf_state_dict([ours], hf.state_dict(), arch)
     bridge = AutoBridge.from_hf_pretrained(str(folder), torch_dtype=torch.float32)
 
-    # export: Megatron-Bridge reading the model the project loaded
-    theirs = {name: t.detach().cpu() for name, t in bridge.export_hf_weights([ours], cpu=True, show_progress=False)}
-    own = export_hf_state_dict([ours], arch)
-    export_bad = sorted(set(theirs) ^ set(reference))
-    export_bad += [n for n in sorted(set(theirs) & set(reference))
-                   if not torch.equal(theirs[n], reference[n]) or not torch.equal(theirs[n], own[n])]
-    export_diff = max((_max_diff(theirs[n], reference[n]) for n in set(theirs) & set(reference)), default=0.0)
+    def built(pad: int, load: bool = True):
+        model = model_provider(arch, cpu=device == "cpu", dtype=torch.float32, vocab_divisible_by=pad)(True, True)
+        model = model.to(device)
+        if load:
+            load_hf_state_dict([model], hf.state_dict(), arch)
+        return model
 
-    # import: Megatron-Bridge loading the checkpoint into a second model of the project's layout
-    other = fresh()
+    def exported(model) -> tuple[list[str], float]:
+        """AutoBridge's export of ``model`` against the checkpoint and the project's own export."""
+        theirs = {n: t.detach().cpu() for n, t in bridge.export_hf_weights([model], cpu=True, show_progress=False)}
+        own = export_hf_state_dict([model], arch)
+        bad = [f"{n}: {'only AutoBridge' if n in theirs else 'not exported'}" for n in sorted(set(theirs) ^ set(reference))]
+        bad += [n for n in sorted(set(theirs) & set(reference))
+                if not torch.equal(theirs[n], reference[n]) or not torch.equal(theirs[n], own[n])]
+        return bad, max((_max_diff(theirs[n], reference[n]) for n in set(theirs) & set(reference)), default=0.0)
+
+    ours = built(1)
+    export_bad, export_diff = exported(ours)
+    # import: Megatron-Bridge loading the checkpoint into a second model of the same layout
+    other = built(1, load=False)
     bridge.load_hf_weights([other])
-    mine, loaded = local_parameters([ours]), local_parameters([other])
-    import_bad = [n for n in sorted(mine) if n not in loaded or not torch.equal(mine[n].cpu(), loaded[n].cpu())]
-    import_diff = max((_max_diff(mine[n].cpu(), loaded[n].cpu()) for n in mine if n in loaded), default=0.0)
-    return {"family": family, "tensors": len(reference), "parameters": len(mine), "export_mismatch": export_bad,
-            "export_max_diff": export_diff, "import_mismatch": import_bad, "import_max_diff": import_diff}
+    wanted, loaded = local_parameters([ours]), local_parameters([other])
+    import_bad = [n for n in sorted(wanted) if n not in loaded or not torch.equal(wanted[n].cpu(), loaded[n].cpu())]
+    import_diff = max((_max_diff(wanted[n].cpu(), loaded[n].cpu()) for n in wanted if n in loaded), default=0.0)
+    # the layout the project trains with (vocabulary padded to a multiple of 128)
+    padded_export, _ = exported(built(128))
+    try:
+        bridge.load_hf_weights([built(128, load=False)])
+        padded_import = "accepted"
+    except ValueError as exc:
+        padded_import = f"refused ({str(exc).splitlines()[0].rstrip(':')})"
+    padded = (f"export differs in {padded_export}" if padded_export else "export equal") + f", import {padded_import}"
+    return {"family": family, "tensors": len(reference), "parameters": len(wanted), "export_mismatch": export_bad,
+            "export_max_diff": export_diff, "import_mismatch": import_bad, "import_max_diff": import_diff,
+            "padded": padded}
 
 
 def run(families, device: str) -> tuple[list[dict], str | None]:
@@ -128,12 +177,14 @@ def main(argv=None) -> int:
         imp = "equal" if not r["import_mismatch"] else f"{len(r['import_mismatch'])} differ: {r['import_mismatch'][:3]}"
         print(f"{r['family']:<11} {r['tensors']:>10} {r['parameters']:>6}  {exp:<30} {imp}"
               f"  (max |diff| {max(r['export_max_diff'], r['import_max_diff']):.3g})")
+        print(f"{'':<11} vocabulary padded to 128: {r['padded']}")
     agree = sum(not r["export_mismatch"] and not r["import_mismatch"] for r in rows)
     import megatron.bridge as mb
     import megatron.core as mc
 
+    stood = f"; stand-in for {', '.join(STAND_IN)}" if STAND_IN else ""
     print(f"bridge cross-check: {agree} of {len(rows)} layouts agree (megatron-bridge {mb.__version__}, megatron-core "
-          f"{mc.__version__}, torch {torch.__version__}, {args.device})")
+          f"{mc.__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}, {args.device}{stood})")
     return 0 if agree == len(rows) else 1
 
 

@@ -1,7 +1,7 @@
 """The project's bridge against Megatron-Bridge's AutoBridge (benchmarks/bridge_crosscheck.py), where Megatron-Bridge
 imports: it needs Python 3.12 (megatron-bridge 0.6.2: Requires-Python >=3.12,<3.13), so on the CPU tier (Python
-3.11) the comparison is skipped with the import error as its reason, and a GPU host with Python 3.12 runs it
-(docs/bridge.md)."""
+3.11) the comparison is skipped with the import error as its reason; in a Python 3.12 environment with megatron-core
+0.19.2 and megatron-bridge 0.6.2 it runs (docs/bridge.md has the run)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@
 
 RECIPE=recipes/ablation_ceiling_0.15.yaml
 HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepScaleR-1.5B-Preview}"
+# the recipe's image, laconic-nemo:25.02 (containers/Dockerfile; laconic_nemo/plan/images.py)
+CONTAINER="${CONTAINER:-/lustre/containers/laconic-nemo-25.02.sqsh}"
 REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 # shellcheck source=launch/submit.sh
 source "${REPO_DIR}/launch/submit.sh"

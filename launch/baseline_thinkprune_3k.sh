@@ -14,6 +14,8 @@
 #SBATCH --output=slurm-%x-%j.out
 
 RECIPE=recipes/baseline_thinkprune_3k.yaml
+# the recipe's image, laconic-nemo:25.02 (containers/Dockerfile; laconic_nemo/plan/images.py)
+CONTAINER="${CONTAINER:-/lustre/containers/laconic-nemo-25.02.sqsh}"
 REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 # shellcheck source=launch/submit.sh
 source "${REPO_DIR}/launch/submit.sh"

@@ -19,7 +19,7 @@
 #   for a model that needs N GPUs), BENCHMARKS [all five],
 #   BASE_SUMMARY [none]: the base model's summary.json, adds the base and change rows,
 #   OUT_DIR [/results/eval/NAME], HF_CONFIG [none]: base config.json + tokenizer folder for a run directory,
-#   CONTAINER [/lustre/containers/laconic-nemo-vllm.sqsh] (containers/Dockerfile.vllm; none: no pyxis),
+#   CONTAINER [/lustre/containers/laconic-vllm-0.33.0.sqsh] (containers/Dockerfile.vllm; none: no pyxis),
 #   DATA_DIR, CKPT_DIR, RESULTS_DIR, MOUNTS as in launch/submit.sh, EXTRA_ARGS [none]: more eval flags, DRY_RUN [0].
 # Resumable: a rerun (or the requeued job) generates only the samples missing from OUT_DIR/samples.jsonl.
 #SBATCH --job-name=laconic-eval
@@ -43,7 +43,7 @@ BENCHMARKS="${BENCHMARKS:-aime2024,math500,minerva,olympiad_bench,amc}"
 BASE_SUMMARY="${BASE_SUMMARY:-}"
 HF_CONFIG="${HF_CONFIG:-}"
 OUT_DIR="${OUT_DIR:-/results/eval/${NAME}}"
-CONTAINER="${CONTAINER:-/lustre/containers/laconic-nemo-vllm.sqsh}"
+CONTAINER="${CONTAINER:-/lustre/containers/laconic-vllm-0.33.0.sqsh}"
 DATA_DIR="${DATA_DIR:-/lustre/data}"
 CKPT_DIR="${CKPT_DIR:-/lustre/checkpoints}"
 RESULTS_DIR="${RESULTS_DIR:-/lustre/results}"

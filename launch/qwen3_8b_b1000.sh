@@ -14,6 +14,8 @@
 #SBATCH --output=slurm-%x-%j.out
 
 RECIPE=recipes/qwen3_8b_b1000.yaml
+# the recipe's image, laconic-mcore:25.12 (containers/Dockerfile.mcore; laconic_nemo/plan/images.py)
+CONTAINER="${CONTAINER:-/lustre/containers/laconic-mcore-25.12.sqsh}"
 REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 # shellcheck source=launch/submit.sh
 source "${REPO_DIR}/launch/submit.sh"

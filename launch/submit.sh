@@ -18,7 +18,8 @@
 #
 # Environment (defaults in brackets):
 #   RECIPE (required), HF_MODEL [none]: HF checkpoint (container path) converted when the .nemo is missing
-#   CONTAINER [/lustre/containers/laconic-nemo-25.02.sqsh], DATA_DIR [/lustre/data],
+#   CONTAINER (required; each wrapper's default is the squash file of the image its recipe runs in, the image
+#   `laconic-nemo plan RECIPE` names: laconic_nemo/plan/images.py, docs/images.md), DATA_DIR [/lustre/data],
 #   CKPT_DIR [/lustre/checkpoints], RESULTS_DIR [/lustre/results], MOUNTS [derived from those],
 #   GPUS_PER_NODE [the allocation's SLURM_GPUS_ON_NODE; outside Slurm the #SBATCH --gpus-per-node line, else 8],
 #   MAX_REQUEUES [20], EXTRA_OVERRIDES [none]: extra key=value overrides, DRY_RUN [0],
@@ -36,7 +37,7 @@ set -euo pipefail
 REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 DRY_RUN="${DRY_RUN:-0}"
 HF_MODEL="${HF_MODEL:-}"
-CONTAINER="${CONTAINER:-/lustre/containers/laconic-nemo-25.02.sqsh}"
+: "${CONTAINER:?CONTAINER must name the image (a squash file, a registry URI or none): each launch wrapper sets the image of its recipe, which laconic-nemo plan RECIPE names}"
 DATA_DIR="${DATA_DIR:-/lustre/data}"
 CKPT_DIR="${CKPT_DIR:-/lustre/checkpoints}"
 RESULTS_DIR="${RESULTS_DIR:-/lustre/results}"

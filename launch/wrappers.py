@@ -1,8 +1,10 @@
 """The per-recipe sbatch wrappers in launch/, written from one table.
 
-Every training wrapper is the same 20 lines: a comment, the #SBATCH header, RECIPE, the HF checkpoint to
-convert (NeMo-Aligner recipes), then ``source launch/submit.sh``, which does the work. They differ only in
-the fields of :class:`Wrapper`. To add or change one, edit :data:`WRAPPERS` and run from the repository root
+Every training wrapper is the same 22 lines: a comment, the #SBATCH header, RECIPE, the HF checkpoint to
+convert (NeMo-Aligner recipes), the default CONTAINER (the squash file of the image the recipe runs in:
+:func:`laconic_nemo.plan.images.recipe_image`, the image ``laconic-nemo plan`` names), then
+``source launch/submit.sh``, which does the work. They differ only in the fields of :class:`Wrapper` and the
+recipe's image. To add or change one, edit :data:`WRAPPERS` and run from the repository root
 
     python launch/wrappers.py            # rewrite launch/<name>.sh for every row
     python launch/wrappers.py --check    # exit 1 naming each wrapper that differs from its row (tests do this)
@@ -34,6 +36,7 @@ class Wrapper:
     def render(self) -> str:
         script = f"launch/{self.name}.sh"
         hf = "" if self.hf_model is None else f'HF_MODEL="${{HF_MODEL:-{self.hf_model}}}"\n'
+        image = image_of(self.recipe)
         return f"""#!/bin/bash
 # {self.about}
 # Submit from the repository root:  sbatch {script}   (DRY_RUN=1 bash {script} to preview)
@@ -50,10 +53,20 @@ class Wrapper:
 #SBATCH --output=slurm-%x-%j.out
 
 RECIPE={self.recipe}
-{hf}REPO_DIR="${{REPO_DIR:-${{SLURM_SUBMIT_DIR:-$(pwd)}}}}"
+{hf}# the recipe's image, {image.tag} ({image.dockerfile}; laconic_nemo/plan/images.py)
+CONTAINER="${{CONTAINER:-{image.squash}}}"
+REPO_DIR="${{REPO_DIR:-${{SLURM_SUBMIT_DIR:-$(pwd)}}}}"
 # shellcheck source=launch/submit.sh
 {SOURCE_LINE}
 """
+
+
+def image_of(recipe: str):
+    """The image ``recipe`` (relative to the repository root) runs in: :func:`laconic_nemo.plan.images.recipe_image`."""
+    from laconic_nemo.config import load_config
+    from laconic_nemo.plan.images import recipe_image
+
+    return recipe_image(load_config(LAUNCH.parent / recipe))
 
 
 HF = "/checkpoints/hf"

@@ -325,9 +325,10 @@ def test_shellcheck_clean():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_every_time():
-    """containers/Dockerfile.vllm: one vLLM version, the same in the base image tag, the build-time check, pyproject's
-    `vllm` extra and containers/README.md.
+def test_frozen_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_every_time():
+    """containers/Dockerfile.vllm-0.10 (the frozen vLLM 0.10.1.1 image): one vLLM version, the same in the base image
+    tag, the build-time check and containers/README.md (pyproject's `vllm` extra pins the current image's vLLM:
+    tests/test_images.py).
 
     megatron-core 0.11.0 has no cp312 wheel (PyPI: a cp311 wheel and the sdist; `pip download megatron-core==0.11.0
     --python-version 3.12 --only-binary=:all:` finds none), and the vLLM images run Python 3.12, so pip builds the
@@ -336,17 +337,16 @@ def test_vllm_image_pins_one_vllm_version_and_builds_megatron_core_the_same_way_
     compiler is there (checked: CXX=/bin/false builds and installs without it) and compiles it otherwise. The
     Dockerfile must install the compiler and headers before that pip line and fail when the extension is missing.
     """
-    docker = (ROOT / "containers" / "Dockerfile.vllm").read_text()
+    docker = (ROOT / "containers" / "Dockerfile.vllm-0.10").read_text()
     lines = docker.splitlines()
     froms = [line.split()[1] for line in lines if line.startswith("FROM ")]
     assert len(froms) == 1 and froms[0].startswith("vllm/vllm-openai:v"), froms
     version = froms[0].split(":v", 1)[1]
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.\d+)?", version), version
-    assert f"vllm.__version__ == '{version}'" in docker
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.findall(r'^vllm = \[(.*)\]$', pyproject, re.M) == [f'"vllm=={version}"']
+    assert version == "0.10.1.1" and f"vllm.__version__ == '{version}'" in docker
     readme = (ROOT / "containers" / "README.md").read_text()
-    assert set(re.findall(r"vllm/vllm-openai:v([\w.]+)", readme + docker)) == {version}
+    assert set(re.findall(r"vllm/vllm-openai:v([\w.]+)", docker)) == {version}
+    assert f"vllm/vllm-openai:v{version}" in readme
     # toolchain before the megatron-core build, and the optional extension required afterwards
     build = next(i for i, line in enumerate(lines) if '"megatron-core==0.11.0"' in line)
     toolchain = [i for i, line in enumerate(lines) if "apt-get install" in line and "g++" in line and "-dev" in line]

@@ -339,18 +339,19 @@ def test_plan_prints_the_rollout_engine_and_its_kv_cache(capsys):
 def test_plan_of_the_one_gpu_check_reads_the_shape_and_names_the_packed_kernel(capsys):
     """recipes/gpu_check_1.5b.yaml: the synthetic GPT with DeepSeek-R1-Distill-Qwen-1.5B's architecture
     (model.shape_from): plan sizes the KV cache and the training memory from that shape (28 layers, 2 kv heads x
-    128, 48 rows x (64 + 4096) positions, bf16; SwiGLU) and names the packed-attention kernel of this torch."""
+    128, 48 rows x (64 + 4096) positions, bf16; SwiGLU) and, planned for this machine (the one-GPU check runs
+    without a container: --container none), names the packed-attention kernel of this torch."""
     from laconic_nemo.runtime.kernels import torch_varlen_attn, transformer_engine_available, varlen_form
 
     recipe = ROOT / "recipes" / "gpu_check_1.5b.yaml"
-    p = plan_layout(load_config(recipe), 1, 1)
+    p = plan_layout(load_config(recipe), 1, 1, image="none")
     assert p.kv_cache_bytes == 2 * 28 * 48 * 4160 * 2 * 128 * 2
     assert p.steps_per_rollout == 4 and p.samples_per_rank == 48
     kind = "varlen: torch.nn.attention.varlen.varlen_attn" if varlen_form(torch_varlen_attn()) else "flex:"
     assert p.packed_attention.startswith(kind)
-    te = plan_layout(load_config(recipe, ["model.attention=te"]), 1, 1).packed_attention
+    te = plan_layout(load_config(recipe, ["model.attention=te"]), 1, 1, image="none").packed_attention
     assert te.startswith("te: TransformerEngine" if transformer_engine_available() else "none: model.attention=te")
-    assert main(["plan", str(recipe), "--nodes", "1", "--gpus-per-node", "1"]) == 0
+    assert main(["plan", str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--container", "none"]) == 0
     assert f"packed attention {p.packed_attention}" in capsys.readouterr().out
     # the shape keys alone (no shape_from) would give another model: the shape is read, not the keys
     plain = plan_layout(load_config(recipe, ["model.shape_from=null", "model.max_position_embeddings=8192"]), 1, 1)

@@ -15,6 +15,8 @@ in the wheel ``vllm-0.10.1.1-cp38-abi3-manylinux1_x86_64.whl``:
   ``max_tokens`` is LENGTH_CAPPED (finish "length") even when that last token is EOS (line 13-16 run first).
 * ``vllm/executor/uniproc_executor.py:25-33``: without a device index every engine uses ``local_rank = 0``,
   so separate-GPU engines of all ranks would share ``cuda:0`` (colocate = false is refused).
+* vLLM 0.10.1.1 has no ``vllm.distributed.weight_transfer`` package (the wheel's ``vllm/distributed/`` holds none),
+  so the engine takes the hand-written refit there (vLLM 0.33's transfer: tests/test_vllm_transfer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from laconic_nemo.config import ConfigError, load_config
 from laconic_nemo.grpo.interfaces import SamplingParams
 from laconic_nemo.rollout import vllm as rv
+from laconic_nemo.rollout import vllm_transfer as vt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,8 +81,13 @@ def fake_vllm(monkeypatch):
     mod.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    vt.transfer_api.cache_clear()  # the refit is chosen from this stand-in, not from an earlier one
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: (log.append("gc"), real_collect(*a))[1])
@@ -90,7 +98,8 @@ def fake_vllm(monkeypatch):
         return 1
 
     monkeypatch.setattr(rv, "stream_policy_weights", fake_stream)
-    return types.SimpleNamespace(log=log, outputs=outputs)
+    yield types.SimpleNamespace(log=log, outputs=outputs)
+    vt.transfer_api.cache_clear()
 
 
 def _engine(tmp_path, eos_ids=None):
@@ -102,6 +111,19 @@ def _engine(tmp_path, eos_ids=None):
 
 
 SAMPLING = SamplingParams(temperature=0.6, top_p=1.0, max_new_tokens=4, eos_id=9, seed=1)
+
+
+def test_vllm_without_the_transfer_gets_the_hand_written_refit_in_process(fake_vllm, tmp_path):
+    """The 0.10.1.1 stand-in has no weight-transfer API: every rank hosts its vLLM worker in-process (the external
+    launcher, V1 multiprocessing off) and the refit loads the weights through collective_rpc."""
+    import os
+
+    engine = _engine(tmp_path)
+    assert engine.transfer is None and vt.transfer_api() is None
+    assert engine.llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert "weight_transfer_config" not in engine.llm.kwargs and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    engine.refit([None])
+    assert fake_vllm.log[-1] == "load_weights" and not engine.needs_refit
 
 
 def test_second_generate_without_training_refits_discarded_weights(fake_vllm, tmp_path):

@@ -376,7 +376,11 @@ class RewardConfig:
 class VllmConfig:
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory for vLLM's weights + KV cache", gt=0, le=1)
     colocate: bool = opt(True, """on the training GPUs; vLLM sleeps (frees its memory) while the policy trains.
-Only true is accepted: separate vLLM GPUs need a weight channel (not implemented)""")
+Only true is accepted: separate vLLM GPUs need a weight channel across GPUs and a placement (not implemented)""")
+    refit: str = opt("auto", """how the policy reaches vLLM (laconic_nemo/rollout/vllm.py): ipc (vLLM's own weight
+transfer, CUDA IPC to vLLM's engine on the group's GPUs; vLLM 0.33) | rpc (the hand-written load_weights through
+collective_rpc, vLLM in-process; vLLM 0.10.1.1) | auto (ipc where the installed vLLM has the transfer, else rpc)""",
+                     choices=("auto", "rpc", "ipc"))
     max_model_len: Optional[int] = opt(None, "null: vLLM's default from the checkpoint", ge=1)
     dtype: str = opt("bfloat16", "vLLM's --dtype", choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
 

@@ -22,13 +22,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 from laconic_nemo.config import Config, ConfigError, load_config
+from laconic_nemo.plan.images import IMAGES
 from laconic_nemo.plan.layout import ROLLOUT_ENGINES, Plan
 from laconic_nemo.plan.model_folder import split_overrides
 
-# Defaults shared with launch/submit.sh (environment variables of the same name override both).
-DEFAULT_CONTAINER = "/lustre/containers/laconic-nemo-25.02.sqsh"
+# Defaults shared with launch/submit.sh (environment variables of the same name override both). The container is the
+# squash file of the recipe's image (laconic_nemo/plan/images.py), which each launch wrapper writes as its default.
 DEFAULT_REPO_IN_CONTAINER = "/opt/laconic-nemo"
 
+
+
+def default_container(plan: Plan) -> str:
+    """The squash file of the plan's image (what the launch wrapper of the recipe uses when CONTAINER is unset);
+    none when the plan targets this machine."""
+    return "none" if plan.image is None else IMAGES[plan.image].squash
 
 
 def default_mounts() -> str:
@@ -87,6 +94,7 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
         f"{plan.budget_tokens_per_step} at the budget B {plan.budget:g}",
         f"steps            {plan.num_steps}",
         f"rollout engine   {ROLLOUT_ENGINES.get(plan.rollout_engine, plan.rollout_engine)}",
+        f"image            {IMAGES[plan.image].describe() if plan.image else 'none: this machine (CONTAINER=none)'}",
     ]
     if plan.kv_cache:
         lines.append(f"KV cache         {plan.kv_cache} per GPU, allocated once (rollout.kv_cache_rows, "
@@ -100,6 +108,8 @@ def format_plan(plan: Plan, cmds: list[str]) -> str:
         lines.append(f"train memory     {plan.training_memory}")
     if plan.packed_attention:
         lines.append(f"packed attention {plan.packed_attention}")
+    elif plan.attention:
+        lines.append(f"attention        {plan.attention}")
     lines += [f"warning          {w}" for w in plan.warnings]
     lines.append("commands:")
     lines += [f"  {c}" for c in cmds]
@@ -128,8 +138,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--hf-model", default=os.environ.get("HF_MODEL") or None,
                    help="HF checkpoint converted to model.path when the .nemo is missing (env HF_MODEL)")
-    p.add_argument("--container", default=os.environ.get("CONTAINER", DEFAULT_CONTAINER),
-                   help="container image (env CONTAINER); none: no pyxis, as launch/submit.sh with CONTAINER=none")
+    p.add_argument("--container", default=os.environ.get("CONTAINER") or None,
+                   help="container squash file or URI (env CONTAINER; default: the squash file of --image); none: no "
+                        "pyxis, as launch/submit.sh with CONTAINER=none")
+    p.add_argument("--image", default="auto",
+                   help="the image the launch runs in, whose versions and attention kernel plan names: auto (the "
+                        "recipe's actor and rollout engine, laconic_nemo/plan/images.py), none (this machine) or "
+                        "one of " + ", ".join(IMAGES))
     p.add_argument("--mounts", default=os.environ.get("MOUNTS") or default_mounts(),
                    help="pyxis container mounts (env MOUNTS; default derived as in launch/submit.sh)")
     p.add_argument("--skip-path-checks", action="store_true",
@@ -155,13 +170,15 @@ def run(args) -> int:
     try:
         cfg = load_config(args.recipe, recipe_ov)
         # the pre-flight `train` runs too (laconic_nemo.plan.preflight): plan refuses what train would refuse
+        image = "none" if args.container == "none" else args.image
         plan, built = check_recipe(cfg, args.nodes, args.gpus_per_node, recipe=args.recipe, hf_model=args.hf_model,
                                    nemo_overrides=nemo_ov, check_paths=not args.skip_path_checks,
-                                   gpu_memory_gib=args.gpu_memory_gib)
+                                   gpu_memory_gib=args.gpu_memory_gib, image=image)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"laconic-nemo plan: {exc}", file=sys.stderr)
         return 2
-    cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), args.container, args.mounts, args.hf_model)
+    container = args.container or default_container(plan)
+    cmds = render_commands(plan, cfg, args.recipe, list(args.overrides), container, args.mounts, args.hf_model)
     if args.json:
         print(json.dumps({**asdict(plan), "build": asdict(built), "commands": cmds}, indent=1))
     else:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from laconic_nemo.bridge.hf_folder import HFConfigError, hf_config
 from laconic_nemo.config import Config, LayoutError, check_layout
+from laconic_nemo.plan.images import actor_of
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Plan:
     decode_graphs_per_pass: int | None = None
     decode_graphs_in_all: int | None = None
     training_memory: str | None = None    # activations per micro-batch, the recompute that fits (both actors)
-    packed_attention: str | None = None   # megatron-core actor, packed micro-batches: the GPU kernel in this environment
+    packed_attention: str | None = None   # megatron-core actor, packed micro-batches: the GPU kernel of the target
+    image: str | None = None              # the image the launch runs in (a name of plan.images.IMAGES); None: this machine
+    attention: str | None = None          # the core attention that image runs (either actor)
 
 
 ROLLOUT_ENGINES = {
@@ -73,7 +76,8 @@ def _invalid(key: str, value, allowed: str) -> None:
 
 
 def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
-                check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0) -> Plan:
+                check_paths: bool = True, cluster: bool = True, gpu_memory_gib: float = 80.0,
+                image: str = "auto") -> Plan:
     """Check ``cfg`` against ``nodes`` x ``gpus_per_node`` GPUs and return the resolved :class:`Plan`.
 
     hf_model: the HF checkpoint the launch converts to ``model.path`` when that .nemo is missing.
@@ -82,6 +86,9 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
     cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine (gloo allowed).
     gpu_memory_gib: memory of one GPU; on a cluster the decode engine's KV cache must fit
     ``rollout.kv_cache_memory_fraction`` of it.
+    image: the container the launch runs in (``plan --image``, :func:`laconic_nemo.plan.images.resolve_image`):
+    auto = the recipe's actor's image on a cluster and this machine otherwise; none = this machine; or a name of
+    ``plan.images.IMAGES``. The attention kernel is that image's.
     Raises :class:`LayoutError` (a ConfigError) naming the offending key.
     """
     if int(nodes) < 1:
@@ -128,7 +135,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
               "(prompt + response must fit)")
 
     warnings: list[str] = []
-    actor = "nemo_aligner" if m.source == "nemo" else "megatron_core"
+    actor = actor_of(m.source)
     engine = cfg.rollout.engine
     if m.source == "nemo" and engine == "vllm":
         _fail("rollout.engine", engine, "megatron (the decode engine) or nemo (NeMo-Aligner generation) when "
@@ -216,6 +223,7 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         if engine_mem is not None:
             check_engine_beside_training(cfg, mp, engine_mem, cfg.rollout.kv_cache_memory_fraction,
                                          device_gib(gpu_memory_gib))
+    target, attention, packed_attention = target_attention(cfg, actor, engine, image if cluster else "none")
     return Plan(
         recipe=recipe, nodes=int(nodes), gpus_per_node=int(gpus_per_node), world_size=world, tp=tp, pp=pp, dp=dp,
         actor=actor, num_prompts_per_step=prompts, group_size=G, rollout_batch=rollout, minibatch_size=mini,
@@ -226,8 +234,25 @@ def plan_layout(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", h
         conversion_needed=conversion, warnings=warnings, rollout_engine=engine, kv_cache=kv_desc,
         kv_cache_bytes=kv_bytes, decode_graphs=graphs, decode_graphs_per_pass=graphs_pass,
         decode_graphs_in_all=graphs_all, training_memory=memory,
-        packed_attention=packed_kernel_line(cfg) if actor == "megatron_core" and g.micro_batch_tokens else None,
+        packed_attention=packed_attention, image=None if target is None else target.name, attention=attention,
     )
+
+
+def target_attention(cfg: Config, actor: str, engine: str, image: str):
+    """(the Image the launch runs in or None for this machine, its attention line, the packed kernel of the
+    megatron-core actor or None) for ``plan --image image`` (:mod:`laconic_nemo.plan.images`)."""
+    from laconic_nemo.plan.images import attention_line, packed_kernel, resolve_image
+
+    try:
+        target = resolve_image(image, actor, engine)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+    packed = actor == "megatron_core" and bool(cfg.grpo.micro_batch_tokens)
+    if target is None:  # this machine's packages (CONTAINER=none, or train's own pre-flight)
+        kernel = packed_kernel_line(cfg) if packed else None
+        return None, kernel, kernel
+    attention = attention_line(target, actor, cfg.model.attention, cfg.model.precision, packed)
+    return target, attention, packed_kernel(target, cfg.model.attention, cfg.model.precision) if packed else None
 
 
 def packed_kernel_line(cfg: Config) -> str:

@@ -62,18 +62,19 @@ PREFLIGHT_DONE_ENV = "LACONIC_PREFLIGHT_DONE"
 
 def check_recipe(cfg: Config, nodes: int, gpus_per_node: int, recipe: str = "", hf_model: str | None = None,
                  nemo_overrides: list[str] = (), check_paths: bool = True, cluster: bool = True,
-                 gpu_memory_gib: float = 80.0) -> tuple[Any, Any]:
+                 gpu_memory_gib: float = 80.0, image: str = "auto") -> tuple[Any, Any]:
     """The checks ``plan`` and ``train`` share (module docstring); returns (Plan, StepOneBuild).
 
     cluster: a GPU cluster launch (``plan``); False for ``train`` on this machine. gpu_memory_gib: one GPU's
-    memory (the decode engine's KV cache must fit; ``plan --gpu-memory-gib``). Raises ConfigError."""
+    memory (the decode engine's KV cache must fit; ``plan --gpu-memory-gib``); image: ``plan --image``
+    (:func:`laconic_nemo.plan.layout.plan_layout`). Raises ConfigError."""
     from laconic_nemo.plan.layout import plan_layout
     from laconic_nemo.plan.model_folder import check_model_folder
     from laconic_nemo.plan.step_one import build_step_one
 
     try:
         plan = plan_layout(cfg, nodes, gpus_per_node, recipe=recipe, hf_model=hf_model, check_paths=check_paths,
-                           cluster=cluster, gpu_memory_gib=gpu_memory_gib)
+                           cluster=cluster, gpu_memory_gib=gpu_memory_gib, image=image)
         tok = None
         if check_paths:
             found = check_model_folder(cfg, hf_model, list(nemo_overrides))

@@ -1,28 +1,37 @@
 """vLLM rollout engine with in-memory weight refit from a megatron-core policy (GPU only).
 
-Written against the vLLM V1 offline API (vLLM 0.10.x; the calls used exist since 0.8.5):
-``vllm.LLM(model, tensor_parallel_size, gpu_memory_utilization, enable_sleep_mode, distributed_executor_backend,
-seed, dtype, max_model_len)``, ``LLM.generate(prompts, sampling_params, use_tqdm)``, ``vllm.SamplingParams``,
-``vllm.inputs.TokensPrompt``, ``LLM.sleep(level)``, ``LLM.wake_up(tags)`` and ``LLM.collective_rpc(callable)``,
-which runs a function on every vLLM worker; the function calls ``worker.model_runner.model.load_weights(iterable)``
-with (HF name, full tensor) pairs, the model's own loader shards them for vLLM's tensor parallelism.
+Written against the vLLM V1 offline API: ``vllm.LLM(model, tensor_parallel_size, gpu_memory_utilization,
+enable_sleep_mode, seed, dtype, max_model_len, ...)``, ``LLM.generate(prompts, sampling_params, use_tqdm)``,
+``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``, ``LLM.sleep(level)`` and ``LLM.wake_up(tags)`` (vLLM 0.10.1.1
+and 0.33.0 alike: ``vllm/entrypoints/llm.py:839-870``, ``:872-889`` in 0.33.0).
 
-Placement: colocated only (``distributed_executor_backend="external_launcher"``): every training rank
-(torchrun) hosts the vLLM worker of its own rank; vLLM sleeps (weights and KV cache released) while megatron
-trains and wakes up for rollouts. ``tensor_parallel_size`` of vLLM is then the megatron TP size. The weight
-iterator is handed to the worker in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here). vLLM on separate
-GPUs is refused: vLLM's default ``UniProcExecutor`` puts every rank's engine on ``cuda:0`` and a multi-process
-TP engine cannot receive the in-process weight iterator; it would need an NCCL weight channel.
+Two refits, chosen once from what the installed vLLM provides (:func:`laconic_nemo.rollout.vllm_transfer.choose_refit`,
+``rollout.vllm.refit``):
 
-Memory and weights across sleep: ``sleep(level=2)`` DISCARDS the weights (``vllm/entrypoints/llm.py``,
-``LLM.sleep``), so the engine records it and refuses to generate until the next :meth:`refit`
-(``needs_refit``). Before every ``wake_up`` the engine runs ``gc.collect(); torch.cuda.empty_cache()``: vLLM's
-``CuMemAllocator.wake_up`` maps fresh memory, while PyTorch's caching allocator still holds the blocks
-of the training step unless they are handed back to the driver first.
+* ``ipc``, vLLM's own weight transfer (vLLM 0.33): vLLM runs as its own engine on the GPUs of each tensor-parallel
+  group, started by the group's rank 0; every refit hands the policy's full HF tensors over by CUDA IPC through the
+  trainer engine of :mod:`laconic_nemo.rollout.vllm_transfer` (its module docstring cites the upstream calls); the
+  group's rank 0 samples and the others receive its rollout.
+* ``rpc``, the hand-written refit (vLLM 0.10.1.1, the frozen ``containers/Dockerfile.vllm-0.10`` image): every
+  training rank (torchrun) hosts the vLLM worker of its own rank in-process (``distributed_executor_backend=
+  "external_launcher"``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here), and ``LLM.collective_rpc(callable)`` runs
+  ``worker.model_runner.model.load_weights(iterable)`` with (HF name, full tensor) pairs on it; the model's own
+  loader shards them for vLLM's tensor parallelism.
+
+Placement: colocated only. vLLM sleeps (weights and KV cache released) while megatron trains and wakes up for rollouts;
+``tensor_parallel_size`` of vLLM is the megatron TP size. vLLM on separate GPUs is refused: it needs a channel across
+GPUs (vLLM's NCCL weight transfer) and a placement of its own, neither of which exists here.
+
+Memory and weights across sleep: ``sleep(level=2)`` DISCARDS the weights (``LLM.sleep``: "Level 2: Discard all GPU
+memory (weights + KV cache)", meant for updating the model), so the engine records it on every rank and refuses to
+generate until the next :meth:`refit` (``needs_refit``). Before every ``wake_up`` the engine runs
+``gc.collect(); torch.cuda.empty_cache()``: vLLM's ``CuMemAllocator.wake_up`` maps fresh memory, while PyTorch's
+caching allocator still holds the blocks of the training step unless they are handed back to the driver first.
 
 What runs on CPU (and is tested): the weight stream (``stream_policy_weights``: the names and shapes vLLM's
-``load_weights`` expects are the HF ones) and the conversion of vLLM outputs into a
-:class:`~laconic_nemo.grpo.interfaces.GenerationOutput` (``build_generation_output``).
+``load_weights`` expects are the HF ones), the choice of refit and the upstream calls with a stand-in vLLM of the
+upstream signatures, and the conversion of vLLM outputs into a :class:`~laconic_nemo.grpo.interfaces.GenerationOutput`
+(``build_generation_output``).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from laconic_nemo.bridge.arch import ModelArch
 from laconic_nemo.bridge.mapping import iter_hf_tensors
 from laconic_nemo.config import Config
 from laconic_nemo.grpo.interfaces import GenerationOutput, SamplingParams
+from laconic_nemo.rollout.vllm_transfer import TensorGroup, choose_refit, ipc_sender, tensor_group, transfer_names
 
 
 def _import_vllm():
@@ -144,54 +154,73 @@ class VLLMRolloutEngine:
 
     model_path: HF checkpoint directory of the initial policy (config + tokenizer; vLLM loads it once);
     arch: its :class:`ModelArch`; tensor_parallel_size, gpu_memory_utilization, max_model_len, dtype: vLLM
-    settings; colocate: must be True (inside the training ranks, external launcher, sleep between
-    rollouts); owns_engine: False on ranks that only take part in the export.
+    settings; colocate: must be True (on the training GPUs, asleep between rollouts); refit: ``rollout.vllm.refit``
+    (auto | rpc | ipc, the module docstring); owns_engine: whether this rank starts a vLLM engine (None: every rank
+    with the hand-written refit, the tensor-parallel group's rank 0 with vLLM's transfer); group: the
+    tensor-parallel group (:func:`laconic_nemo.rollout.vllm_transfer.tensor_group` when None; collective).
     """
 
     def __init__(self, model_path: str, arch: ModelArch, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, dtype: str = "bfloat16",
-                 colocate: bool = True, owns_engine: bool = True, seed: int = 0, pad_id: int = 0):
+                 colocate: bool = True, owns_engine: bool | None = None, seed: int = 0, pad_id: int = 0,
+                 refit: str = "auto", group: TensorGroup | None = None):
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if not colocate:
             raise ValueError("rollout.vllm.colocate = false is not supported: vLLM on separate GPUs needs a weight "
-                             "channel (every rank's engine would land on cuda:0); use colocate = true")
+                             "channel across GPUs and a placement of its own; use colocate = true")
         self.arch = arch
         self.colocate = colocate
         self.pad_id = pad_id
         self.llm = None
         self._torch_dtype = getattr(torch, dtype)
         self.stop_ids = generation_stop_ids(model_path)
-        self._weights_loaded = False  # vLLM's copy matches the policy (False after a level-2 sleep)
+        self.transfer = choose_refit(refit)  # None: the hand-written refit
+        self.group = group if group is not None else (tensor_group() if self.transfer is not None else TensorGroup())
+        if owns_engine is None:
+            owns_engine = self.transfer is None or self.group.rank == 0
+        self._weights_loaded = False  # vLLM's copy matches the policy (False after a level-2 sleep), on every rank
+        self._sender = None  # the trainer engine of vLLM's transfer, built at the first refit
         if owns_engine:
-            # the refit hands vLLM's worker a Python iterator: the engine core must run in this process
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             vllm = _import_vllm()
             kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                           enable_sleep_mode=colocate)
-            if colocate:
+            if self.transfer is None:
+                # the refit hands vLLM's worker a Python iterator: the engine core must run in this process
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 kwargs["distributed_executor_backend"] = "external_launcher"
+            else:
+                # vLLM's own engine process(es) on this group's GPUs; weights by CUDA IPC. The IPC handles (tuples of
+                # types, dtypes and bytes) reach the engine process through collective_rpc, whose msgpack encoder
+                # takes them only with pickle allowed (vllm/v1/serial_utils.py:220-233 to encode, :476-480 to decode,
+                # in 0.33.0); both ends are this job's own processes.
+                os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+                kwargs["weight_transfer_config"] = self.transfer.WeightTransferConfig(backend="ipc")
+                kwargs["device_ids"] = list(self.group.gpu_uuids)
             self.llm = vllm.LLM(**kwargs)
             self._vllm = vllm
             self.llm.sleep(level=2)  # training runs first; weights come from the first refit
-        self._asleep = colocate and owns_engine
+        self._asleep = colocate
         self._refit_version: int | None = None  # the policy version (optimiser steps) of the last refit
 
     @property
     def needs_refit(self) -> bool:
-        """True when vLLM holds no valid policy weights (never refitted, or discarded by a level-2 sleep)."""
-        return self.llm is not None and not self._weights_loaded
+        """True when vLLM holds no valid policy weights (never refitted, or discarded by a level-2 sleep); the same on
+        every rank of a group with vLLM's transfer, whose refit is collective over all ranks."""
+        takes_part = self.llm is not None or self.transfer is not None
+        return takes_part and not self._weights_loaded
 
     # -------------------------------------------------------------------------------------------- refit
     def refit(self, model_chunks) -> int:
         """Copy the current megatron policy into vLLM, in memory (collective over the training ranks)."""
+        if self.llm is not None and self._asleep:
+            release_torch_cache()
+            self.llm.wake_up(tags=["weights"])
+        if self.transfer is not None:
+            return self._send(model_chunks)
         sink = None
         if self.llm is not None:
-            if self._asleep:
-                release_torch_cache()
-                self.llm.wake_up(tags=["weights"])
-
             def sink(weights):
                 def load(worker):
                     worker.model_runner.model.load_weights(weights=weights)
@@ -202,10 +231,22 @@ class VLLMRolloutEngine:
         self._weights_loaded = self.llm is not None
         return n
 
+    def _send(self, model_chunks) -> int:
+        """vLLM's transfer: one trainer engine per rank for these model chunks, ``send_weights`` every refit (every
+        rank: the IPC handles are all-gathered over the default process group)."""
+        if self._sender is None or self._sender[0] is not model_chunks:
+            rank = 0 if self.llm is not None else max(1, torch.distributed.get_rank())
+            self._sender = (model_chunks, ipc_sender(self.transfer, self.llm, model_chunks, self.arch,
+                                                     self._torch_dtype, rank))
+        self._sender[1].send_weights()
+        self._weights_loaded = True
+        return len(transfer_names(self.arch))
+
     def sleep(self) -> None:
         """Release vLLM's GPU memory (weights and KV cache) while the policy trains (colocated)."""
-        if self.llm is not None and self.colocate and not self._asleep:
-            self.llm.sleep(level=2)  # discards the weights: the next generate needs a refit
+        if self.colocate and not self._asleep:
+            if self.llm is not None:
+                self.llm.sleep(level=2)  # discards the weights: the next generate needs a refit
             self._asleep = True
             self._weights_loaded = False
 
@@ -223,16 +264,25 @@ class VLLMRolloutEngine:
         return out
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        """One response per prompt (token ids), sampled with ``sampling``; CPU tensors."""
-        if self.llm is None:
+        """One response per prompt (token ids), sampled with ``sampling``; CPU tensors. With vLLM's transfer the
+        group's rank 0 samples and every rank of the group returns its rollout (the group shares its prompts)."""
+        if self.llm is None and self.transfer is None:
             raise RuntimeError("this rank owns no vLLM engine (owns_engine=False)")
         if self.needs_refit:
             raise RuntimeError("vLLM holds no valid policy weights (a level-2 sleep discarded them): call refit() "
                                "before generate()")
+        result = self._sample(prompts, sampling) if self.llm is not None else None
+        if self.transfer is not None:
+            result = self.group.share(result)
+        self._asleep = False  # awake on every rank (the engine of the group is), so that sleep() records it
+        if self.colocate:
+            self.sleep()
+        return result
+
+    def _sample(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         if self._asleep:
             release_torch_cache()
             self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
         from vllm.inputs import TokensPrompt
 
         params = [self._vllm.SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -243,11 +293,8 @@ class VLLMRolloutEngine:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outs]
         reasons = ["length" if o.outputs[0].finish_reason == "length" else "stop" for o in outs]
-        result = build_generation_output(prompts, responses, reasons, sampling.eos_id, sampling.max_new_tokens,
-                                         self.pad_id, stop_ids=self.stop_ids | set(sampling.stops()))
-        if self.colocate:
-            self.sleep()
-        return result
+        return build_generation_output(prompts, responses, reasons, sampling.eos_id, sampling.max_new_tokens,
+                                       self.pad_id, stop_ids=self.stop_ids | set(sampling.stops()))
 
     @classmethod
     def from_recipe(cls, cfg: Config, model_path: str, arch: ModelArch, **kwargs) -> "VLLMRolloutEngine":
@@ -255,7 +302,7 @@ class VLLMRolloutEngine:
         v = cfg.rollout.vllm
         return cls(model_path, arch, tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
                    gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len, dtype=v.dtype,
-                   colocate=v.colocate, seed=cfg.run.seed, **kwargs)
+                   colocate=v.colocate, seed=cfg.run.seed, refit=v.refit, **kwargs)
 
 
 def sampling_from_recipe(cfg: Config, eos_id: int, seed: int = 0) -> SamplingParams:

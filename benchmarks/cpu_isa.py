@@ -8,8 +8,8 @@
 Each run is the main job made short: ``laconic-nemo train recipes/tiny_cpu.yaml warmup.num_steps=100
 run.num_steps=3`` (2 ranks, its own warm-up: no cache is shared between settings), into ``--out``/<setting>. A
 setting is the environment of the launch (:data:`SETTINGS`): the machine's own choices (``LACONIC_CPU_ISA=native``),
-each library's variable alone, and the pin (``LACONIC_CPU_ISA=avx2``, the default), also over variables that
-stand for another machine's own choice. The first table gives, per setting, the warm-up's NLL at step 100 and
+each library's variable alone, and the pin (``LACONIC_CPU_ISA=avx2``; the default is ``native``), also over
+variables that stand for another machine's own choice. The first table gives, per setting, the warm-up's NLL at step 100 and
 the first rollout's mean length (printed in full), lambda after step 3, and sha256 digests of the cached warm-up
 policy's tensors and of the metrics rows without their timings; settings with the same digests share a letter.
 
@@ -20,9 +20,12 @@ load of a shared machine falls on both alike) and print the warm-up's seconds pe
 the machine runs) and the ratio of the pin to the native setting.
 
 ``--ops`` runs the model's kernels alone (one process per setting, float32, one thread): a matmul, a batched
-matmul, softmax and log-softmax, layer norm, GELU, exp and the scaled-dot-product attention on fixed random
-inputs, and prints, per setting, the branch MKL reports (``mkl_serv_cbwr_get``: 1 off, 2 AUTO, 3 COMPATIBLE) and a
-digest of each result (a letter per distinct result, per kernel).
+matmul, softmax and log-softmax, layer norm, GELU, exp, sqrt, the scaled-dot-product attention and one Adam step
+(torch.optim.Adam, as megatron's optimiser runs on CPU) on fixed random inputs, and prints, per setting, the branch
+MKL reports (``mkl_serv_cbwr_get``: 1 off, 2 AUTO, 3 COMPATIBLE), a digest of each result (a letter per distinct
+result, per kernel) and how many of 36,864 float32 square roots differ from the correctly rounded ones (float64
+sqrt rounded to float32): a kernel that is not correctly rounded computes with approximate instructions, whose
+bits are the processor's (docs/megatron_cpu.md, "Which kernels part two machines").
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ SETTINGS = {
     "mkl_compatible": ("MKL_CBWR=COMPATIBLE", {"LACONIC_CPU_ISA": "native", "MKL_CBWR": "COMPATIBLE"}),
     "mkl_avx2": ("MKL_CBWR=AVX2", {"LACONIC_CPU_ISA": "native", "MKL_CBWR": "AVX2"}),
     "onednn_avx2": ("ONEDNN_MAX_CPU_ISA=AVX2", {"LACONIC_CPU_ISA": "native", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
-    "pin": ("the pin (LACONIC_CPU_ISA=avx2, the default)", {}),
+    "pin": ("the pin (LACONIC_CPU_ISA=avx2)", {"LACONIC_CPU_ISA": "avx2"}),
     "pin_over_other": ("the pin, over ATEN_CPU_CAPABILITY=default MKL_CBWR=AUTO ONEDNN_MAX_CPU_ISA=SSE41",
-                       {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
+                       {"LACONIC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO",
+                        "ONEDNN_MAX_CPU_ISA": "SSE41"}),
 }
 SHORT = ["warmup.num_steps=100", "run.num_steps=3", "logging.plot=false", "logging.tensorboard=false"]
 
@@ -133,9 +137,23 @@ F = torch.nn.functional
 ops = {"matmul": lambda: a @ w.t(), "bmm": lambda: torch.bmm(x3, x3.transpose(1, 2)),
        "softmax": lambda: torch.softmax(a, -1), "log_softmax": lambda: torch.log_softmax(a, -1),
        "layer_norm": lambda: F.layer_norm(a, (96,)), "gelu": lambda: F.gelu(a), "exp": lambda: torch.exp(a),
+       "sqrt": lambda: torch.sqrt(a.abs()),
        "sdpa": lambda: F.scaled_dot_product_attention(x3[None], x3[None], x3[None], is_causal=True)}
+
+
+def adam():
+    p = torch.nn.Parameter(torch.randn(192, 192, generator=torch.Generator().manual_seed(1)))
+    p.grad = torch.randn(192, 192, generator=torch.Generator().manual_seed(2))
+    torch.optim.Adam([p], lr=1e-3).step()
+    return p.detach()
+
+
+ops["adam step"] = adam
 out = {k: hashlib.sha256(g().contiguous().numpy().tobytes()).hexdigest()[:8] for k, g in ops.items()}
-print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "mkl_branch": f(1) if f else None, **out}))
+r = torch.rand(192 * 192, generator=torch.Generator().manual_seed(3))
+wrong = int((r.sqrt() != r.double().sqrt().float()).sum())
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "mkl_branch": f(1) if f else None, **out,
+                  "sqrt_wrong": wrong}))
 """
 OPS_SETTINGS = {  # name -> the process's environment (library variables of this environment dropped first)
     "none": {}, "ATEN_CPU_CAPABILITY=avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
@@ -148,20 +166,33 @@ OPS_SETTINGS = {  # name -> the process's environment (library variables of this
 }
 
 
-def ops_table() -> str:
+def ops_rows(settings: dict[str, dict], prefix: list[str]) -> list[dict]:
+    """One process per setting (``prefix``: e.g. ``qemu-x86_64 -cpu EPYC-Rome-v2``, another processor emulated);
+    its kernels' digests, ATen's capability, MKL's branch and the square roots that are not correctly rounded."""
     rows = []
-    for name, extra in OPS_SETTINGS.items():
+    for name, extra in settings.items():
         env = {k: v for k, v in os.environ.items() if k not in (*LIB_VARS, "MKL_ENABLE_INSTRUCTIONS")}
-        out = subprocess.run([sys.executable, "-c", OPS_CODE], env={**env, **extra}, capture_output=True, text=True,
-                             check=True).stdout
-        rows.append((name, json.loads(out.splitlines()[-1])))
-    kernels = [k for k in rows[0][1] if k not in ("aten", "mkl_branch")]
+        out = subprocess.run([*prefix, sys.executable, "-c", OPS_CODE], env={**env, **extra}, capture_output=True,
+                             text=True, check=True).stdout
+        rows.append({"setting": name, **json.loads(out.splitlines()[-1])})
+    return rows
+
+
+def ops_table(by_processor: dict[str, list[dict]]) -> str:
+    """Per processor and setting, a letter per distinct result of each kernel (shared by all rows: two rows with
+    one letter computed the same bits)."""
+    first = next(iter(by_processor.values()))[0]
+    kernels = [k for k in first if k not in ("setting", "aten", "mkl_branch", "sqrt_wrong")]
     letters = {k: {} for k in kernels}
-    lines = ["| setting | ATen in effect | MKL branch | " + " | ".join(kernels) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in kernels) + " |"]
-    for name, r in rows:
-        cells = [letters[k].setdefault(r[k], "ABCDEFGHIJ"[len(letters[k])]) for k in kernels]
-        lines.append(f"| {name} | {r['aten']} | {r['mkl_branch']} | " + " | ".join(cells) + " |")
+    many = len(by_processor) > 1
+    lines = ["| " + ("processor | " if many else "") + "setting | ATen in effect | MKL branch | " + " | ".join(kernels)
+             + " | sqrt not correctly rounded |",
+             "| " + ("--- | " if many else "") + "--- | --- | --- | " + " | ".join("---" for _ in kernels) + " | --- |"]
+    for proc, rows in by_processor.items():
+        for r in rows:
+            cells = [letters[k].setdefault(r[k], "ABCDEFGHIJKLMNOP"[len(letters[k])]) for k in kernels]
+            lines.append("| " + (f"{proc} | " if many else "") + f"{r['setting']} | {r['aten']} | {r['mkl_branch']} | "
+                         + " | ".join(cells) + f" | {r['sqrt_wrong']:,} of {192 * 192:,} |")
     return "\n".join(lines)
 
 
@@ -171,9 +202,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating native / pin pairs for the timing")
     ap.add_argument("--out", default="results/cpu_isa")
     ap.add_argument("--ops", action="store_true", help="only the kernels alone, per setting")
+    ap.add_argument("--emulate", default="", help="with --ops: comma-separated CPU models of qemu-x86_64 (e.g. "
+                    "EPYC-Rome-v2,Skylake-Client-v4: an AMD and an Intel CPUID, AVX2) to run the machine's own and the "
+                    "pinned kernels on besides this processor (Debian's qemu-user; slow: a minute or two per model)")
     args = ap.parse_args(argv)
     if args.ops:
-        print(ops_table())
+        by_processor = {"this machine": ops_rows(OPS_SETTINGS, [])}
+        for model in filter(None, args.emulate.split(",")):
+            if shutil.which("qemu-x86_64") is None:
+                ap.error("--emulate needs qemu-x86_64 (apt-get install qemu-user)")
+            by_processor[f"qemu {model}"] = ops_rows({k: OPS_SETTINGS[k] for k in ("none", "the pin")},
+                                                     ["qemu-x86_64", "-cpu", model])
+        print(ops_table(by_processor))
         return 0
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     bad = [s for s in names if s not in SETTINGS]

@@ -10,7 +10,7 @@ log-probs, 4 optimiser steps of 12 responses on packed micro-batches, the dual s
 Prints, per phase (rollout = generation + reward; old and reference log-probs; each optimiser step; dual step;
 checkpoint), the steady-state seconds (mean of the steps after the first) and the first step's extra seconds
 (graph captures, allocations, any compilation: step 1 minus the steady value), then training MFU (model FLOPs of
-the optimiser steps, ``gpu_step.train_flops``, over their seconds, against the H100's 989 TFLOP/s data-sheet bf16
+the optimiser steps, ``gpu_common.train_flops``, over their seconds, against the H100's 989 TFLOP/s data-sheet bf16
 peak and a bf16 matmul measured in the run), peak device memory, the packed-attention kernel, and the projected
 wall time of the paper's 500-step run on 16 GPUs (each GPU doing this rank's step; the checkpoint at the
 flagship's ``checkpoint.every_n_steps``; not measured: the DP gradient all-reduce over 16 GPUs, grading real
@@ -20,7 +20,7 @@ The phase table, MFU and peak memory are printed right after the last step, befo
 25 GB of weights and Adam state at this shape), so a time cap that cuts the checkpoint still leaves them.
 
 Random weights rarely draw EOS out of 151,936 ids, so responses run to L_max: an upper bound on a step's work
-(the paper's starting lengths average ~3,000 of 4,096). On CPU: a tiny Qwen2 shape (``gpu_step.SHAPES``), 24
+(the paper's starting lengths average ~3,000 of 4,096). On CPU: a tiny Qwen2 shape (``gpu_common.SHAPES``), 24
 new tokens, packs of 128 tokens, fp32 over gloo, the sdpa core attention (its CPU packed kernel: dense).
 """
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_step import (  # noqa: E402
+from gpu_common import (  # noqa: E402
     H100_BF16_PEAK,
     PAPER_GPUS,
     PAPER_OPT_STEPS,
@@ -61,7 +61,7 @@ TARGET_STEP_S, TARGET_HOURS = 30.0, 4.2  # one H100, steady state; 500 steps on 
 
 
 def cpu_overrides(out: Path) -> list[str]:
-    """The recipe at a tiny shape on CPU: the tiny untied Qwen2 of gpu_step, fp32, gloo, short responses."""
+    """The recipe at a tiny shape on CPU: the tiny untied Qwen2 of gpu_common, fp32, gloo, short responses."""
     from laconic_nemo.bridge import ModelArch
 
     shape = out / "tiny_shape"

@@ -128,7 +128,7 @@ class PlainStep:
 
 
 def main(argv=None) -> int:
-    from gpu_step import SHAPES
+    from gpu_common import SHAPES
 
     from laconic_nemo.bridge import ModelArch
 

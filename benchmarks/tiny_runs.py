@@ -1,29 +1,36 @@
-"""The README's tiny-run table, its curves (docs/tiny_cpu_curves.png) and its seed-spread line, from fresh runs.
+"""The README's main-job table, its curves (docs/tiny_cpu_curves.png): the tiny runs over a grid of seeds and CPU
+kernel settings that stand for machines.
 
-    PYTHONPATH=. python benchmarks/tiny_runs.py            # train what is missing (~1 h on 2 cores), print the block
+    PYTHONPATH=. python benchmarks/tiny_runs.py            # train what is missing (~3 h on 2 cores), print the block
     PYTHONPATH=. python benchmarks/tiny_runs.py --write    # ... and write it into README.md and the PNG into docs/
-    PYTHONPATH=. python benchmarks/tiny_runs.py --check    # ... and exit 1 when README.md says something else
+    PYTHONPATH=. python benchmarks/tiny_runs.py --check    # ... and exit 1 when a run here leaves the README's band
+    PYTHONPATH=. python benchmarks/tiny_runs.py --seeds 7 --settings native --check   # one cell: the main job here
     PYTHONPATH=. python benchmarks/tiny_runs.py --constraints --write   # the constraints-beyond-the-mean table
 
-With ``--constraints`` the runs are the tiny recipes of the constraints beyond the mean (``CONSTRAINT_ROWS``, into
-``results/constraint_runs``), and the block is the README's ``<!-- constraint-runs:begin ... -->`` table: per
-constraint, its measured value over the first and the last tenth of the steps, its bound, its multiplier at the
-last step and whether the last tenth is within the bound (the tail share at most q; each budget class's mean
-L / B, and the reasoning span's mean / B, within 10% of 1). A recipe that does not load here (the reasoning-only
-one needs the task's marker, data.synthetic.reasoning_marker) is listed as not run, with the reason.
+The grid: every recipe of :data:`GRID` (LACONIC with the integral controller, the main job; plain GRPO; LACONIC with
+the pid controller) for every seed of ``--seeds`` (each its own warm-up, prompts and samples) under every CPU kernel
+setting of ``--settings`` (:data:`SETTINGS`: this machine's own kernels, ATen's AVX2 build, the pin), into
+``RESULTS/<setting>/<run>_s<seed>``, with the warm-up cache ``RESULTS/warmup_cache`` (its key names the seed and
+the kernels: one warm-up per cell, shared by the cell's three runs). A setting changes the floats of every kernel
+it reaches, and 70 steps of sampling turn a last-bit difference into another trajectory (docs/megatron_cpu.md), so
+a cell stands for a machine: the table reports each number as the median and the range over the cells, and the
+claims of :data:`CLAIMS` (the band) are what must hold on every cell, on every machine. ``--check`` trains what is
+missing here and exits 1 when a cell leaves the band (the claims), printing where; it does not compare the
+medians, which are this machine's.
 
-Runs (``laconic-nemo train``, 2 local ranks each, into ``RESULTS/<name>``, all with the warm-up cache
-``RESULTS/warmup_cache``): the four rows of the table with seed 7 (``tiny_cpu.yaml``, ``tiny_cpu_grpo.yaml``,
-``tiny_cpu.yaml laconic.ceiling=null``, ``tiny_cpu_pid.yaml``) and ``tiny_cpu.yaml`` with the other seeds of
-``--seeds`` (each seed has its own warm-up: the spread covers the whole recipe).
+With ``--constraints`` the runs are the tiny recipes of the constraints beyond the mean (``CONSTRAINT_ROWS``, into
+``results/constraint_runs``), and the block is the ``<!-- constraint-runs:begin ... -->`` table of
+docs/constraints.md: per constraint, its measured value over the first and the last tenth of the steps, its bound,
+its multiplier at the last step and whether the last tenth is within the bound (the tail share at most q; each
+budget class's mean L / B, and the reasoning span's mean / B, within 10% of 1). A recipe that does not load here
+(the reasoning-only one needs the task's marker, data.synthetic.reasoning_marker) is listed as not run, with the
+reason.
 
 Idempotent and resumable: a finished run (its checkpoint at run.num_steps) is not run again, an interrupted one
 continues from its checkpoint (bit for bit as if uninterrupted), and the warm-up cache is reused. The results
 folder records what made it (``manifest.json``: a digest of the package's code and recipes, the torch /
-megatron-core versions, the threads per rank); a rerun with other code or versions refuses to mix its runs
-with those (``--fresh`` starts the folder over). The README block between the markers
-``<!-- tiny-runs:begin -->`` and ``<!-- tiny-runs:end -->`` is a function of the runs alone, so ``--check`` on a
-fresh clone says whether the README is what its command prints there.
+megatron-core versions, the threads per rank, the machine); a rerun with other code, versions or on another
+machine refuses to mix its runs with those (``--fresh`` starts the folder over).
 """
 
 from __future__ import annotations
@@ -44,18 +51,33 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "<!-- tiny-runs:begin: written by benchmarks/tiny_runs.py, do not edit by hand -->"
 END = "<!-- tiny-runs:end -->"
 SEED = 7
-# (run folder, recipe, overrides, the table's first column)
-ROWS = [
-    ("tiny_cpu", "recipes/tiny_cpu.yaml", [], "`tiny_cpu.yaml` (LACONIC, B = 31)"),
-    ("tiny_cpu_grpo", "recipes/tiny_cpu_grpo.yaml", [], "`tiny_cpu_grpo.yaml` (lambda = 0)"),
-    ("tiny_cpu_ceiling_null", "recipes/tiny_cpu.yaml", ["laconic.ceiling=null"],
-     "`tiny_cpu.yaml laconic.ceiling=null` (paper default Lambda = B / (L_max - B) = 0.477)"),
-    ("tiny_cpu_pid", "recipes/tiny_cpu_pid.yaml", [], "`tiny_cpu_pid.yaml` (pid controller, beyond the paper)"),
+SEEDS = (7, 8, 9)
+# the main job's recipes over the grid: (run name, recipe, overrides, label)
+GRID = [
+    ("laconic", "recipes/tiny_cpu.yaml", [], "LACONIC, integral dual step (`tiny_cpu.yaml`, the main job)"),
+    ("grpo", "recipes/tiny_cpu_grpo.yaml", [], "GRPO, lambda = 0 (`tiny_cpu_grpo.yaml`)"),
+    ("pid", "recipes/tiny_cpu_pid.yaml", [], "LACONIC, pid dual step (`tiny_cpu_pid.yaml`)"),
 ]
+# kernel settings that stand for machines: name -> (what it stands for, the ranks' environment)
+SETTINGS = {
+    "native": ("this machine's own kernels (the default)", {"LACONIC_CPU_ISA": "native"}),
+    "aten_avx2": ("ATen's AVX2 build (an AVX2 machine's ATen), MKL and oneDNN this machine's",
+                  {"LACONIC_CPU_ISA": "native", "ATEN_CPU_CAPABILITY": "avx2"}),
+    "pin": ("the pin: ATen AVX2, MKL's COMPATIBLE branch (the generic code MKL runs on AMD processors), oneDNN AVX2",
+            {"LACONIC_CPU_ISA": "avx2"}),
+}
+LIB_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "LACONIC_CPU_ISA")
+# the band: what every cell of the grid must show, on every machine (--check)
+CLAIMS = {
+    "length_tol": 0.05,      # LACONIC's mean length over the last tenth within +-5% of B
+    "reward_min": 0.80,      # ... its task reward over the last tenth at least 0.80
+    "reward_vs_grpo": 0.0,   # ... and at least GRPO's in the same cell (same warm-up, prompts) minus this
+}
 
 
 C_BEGIN = "<!-- constraint-runs:begin: written by benchmarks/tiny_runs.py --constraints, do not edit by hand -->"
 C_END = "<!-- constraint-runs:end -->"
+CONSTRAINT_DOC = "docs/constraints.md"  # the file whose block --constraints writes
 CONSTRAINT_ROWS = [
     ("tiny_cpu_tail", "recipes/tiny_cpu_tail.yaml", [], "`tiny_cpu_tail.yaml`"),
     ("tiny_cpu_stated", "recipes/tiny_cpu_stated.yaml", [], "`tiny_cpu_stated.yaml`"),
@@ -96,13 +118,14 @@ def provenance() -> dict:
             "cpu_isa": cpu_isa()}
 
 
-def made_with(made: dict) -> str:
-    """The versions, threads and CPU kernels of the block's last line."""
+def made_with(made: dict, kernels: bool = True) -> str:
+    """The versions, threads and (``kernels``) CPU kernels of a block's last line."""
     from laconic_nemo.runtime.cpu_isa import describe
 
     v = made["versions"]
     return (f"torch {v['torch']}, megatron-core {v['megatron-core']}, Python {v['python']}, "
-            f"{made['threads_per_rank']} thread per rank, CPU kernels {describe(made['cpu_isa'])}")
+            f"{made['threads_per_rank']} thread per rank" + (f", CPU kernels {describe(made['cpu_isa'])}" if kernels
+                                                              else ""))
 
 
 def open_results(results: Path, fresh: bool) -> dict:
@@ -139,9 +162,11 @@ def run_complete(run_dir: Path, steps: int) -> bool:
     return ckpt is not None and int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) >= steps
 
 
-def train(name: str, recipe: str, overrides: list[str], results: Path, k: int, n: int) -> None:
-    """``laconic-nemo train`` of one run (resumed when it was interrupted); its whole output goes to
-    ``RESULTS/<name>.log``, the warm-up and step lines (with their ETA) to the terminal."""
+def train(name: str, recipe: str, overrides: list[str], results: Path, k: int, n: int,
+          env_extra: dict | None = None) -> None:
+    """``laconic-nemo train`` of one run (resumed when it was interrupted) into ``RESULTS/<name>``; its whole output
+    goes to ``RESULTS/<name>.log``, the warm-up and step lines (with their ETA) to the terminal. ``env_extra``: the
+    CPU kernel setting of the run (the library variables of this environment are dropped first)."""
     out = results / name
     steps = num_steps(recipe, overrides)
     if run_complete(out, steps):
@@ -151,7 +176,9 @@ def train(name: str, recipe: str, overrides: list[str], results: Path, k: int, n
            f"warmup.cache_dir={results / 'warmup_cache'}", "logging.plot=false"]
     say(f"[{k}/{n}] {name}: " + ("resuming" if out.exists() else "training") + " $ " + " ".join(cmd[2:]))
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if env_extra is None or k not in LIB_VARS}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env_extra or {}))
+    (results / name).parent.mkdir(parents=True, exist_ok=True)
     with (results / f"{name}.log").open("a") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -181,18 +208,6 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
 
-def summary(rows: list[dict], ceiling: float | None) -> dict:
-    n = tenth(rows)
-    first, last = rows[:n], rows[-n:]
-    peak = max(rows, key=lambda r: r["lambda_next"])
-    at_ceiling = [r["step"] for r in rows if ceiling is not None and r["lambda_next"] >= ceiling]
-    return {"length": (mean(first, "mean_response_length"), mean(last, "mean_response_length")),
-            "reward": (mean(first, "task_reward"), mean(last, "task_reward")),
-            "last_lengths": (min(r["mean_response_length"] for r in last), max(r["mean_response_length"] for r in last)),
-            "lambda_end": float(rows[-1]["lambda_next"]), "peak": (float(peak["lambda_next"]), int(peak["step"])),
-            "at_ceiling": (at_ceiling[0], at_ceiling[-1], len(at_ceiling)) if at_ceiling else None}
-
-
 def run_ceiling(run_dir: Path) -> float | None:
     """The run's Lambda as its controller used it (config.yaml; null -> B / (L_max - B))."""
     from omegaconf import OmegaConf
@@ -204,49 +219,103 @@ def run_ceiling(run_dir: Path) -> float | None:
     return float(lc.ceiling) if lc.ceiling is not None else float(lc.budget) / (cfg.rollout.max_new_tokens - lc.budget)
 
 
-def table_row(label: str, s: dict, shaper_lambda: bool, ceiling: float | None) -> str:
-    (l0, l1), (r0, r1), (lo, hi) = s["length"], s["reward"], s["last_lengths"]
-    if not shaper_lambda:
-        lam = f"{s['lambda_end']:.3g}"
-    else:
-        lam = f"{s['lambda_end']:.3f} (peak {s['peak'][0]:.3f} at step {s['peak'][1]}"
-        if s["at_ceiling"] is not None:
-            a, b, k = s["at_ceiling"]
-            lam += f"; at the ceiling {ceiling:.3f} for {k} steps between {a} and {b}"
-        elif ceiling is not None:
-            lam += f"; ceiling {ceiling:.3g}"
-        lam += ")"
-    return (f"| {label} | {l0:.1f} -> {l1:.1f} (steps of the last tenth: {lo:.1f}-{hi:.1f}) | {r0:.3f} -> {r1:.3f} "
-            f"| {lam} |")
+def cell_summary(run_dir: Path) -> dict:
+    """One run's numbers: mean length and task reward over the first and the last tenth of its steps, the last
+    tenth's length relative to B, lambda at the end and the steps it spent at the ceiling, and the settling step
+    (the trailing 3-step mean length stays within +-5% of B from that step on; None: not within the run)."""
+    from laconic_nemo.tools.simulate import response_metrics
+
+    rows = rows_of(run_dir)
+    n = tenth(rows)
+    first, last = rows[:n], rows[-n:]
+    budget = float(rows[0]["budget"])
+    ceiling = run_ceiling(run_dir)
+    length = mean(last, "mean_response_length")
+    measures = response_metrics([r["mean_response_length"] for r in rows], budget, tol=CLAIMS["length_tol"])
+    return {"steps": len(rows), "budget": budget, "length0": mean(first, "mean_response_length"), "length": length,
+            "rel": length / budget - 1.0, "reward0": mean(first, "task_reward"), "reward": mean(last, "task_reward"),
+            "lambda_end": float(rows[-1]["lambda_next"]), "settling": measures["settling_step"],
+            "at_ceiling": sum(1 for r in rows if ceiling is not None and r["lambda_next"] >= ceiling)}
 
 
-def spread_line(per_seed: dict[int, dict]) -> str:
-    seeds = sorted(per_seed)
-
-    def stat(key, i, fmt):
-        vals = [per_seed[s][key][i] if i is not None else per_seed[s][key] for s in seeds]
-        return (", ".join(format(v, fmt) for v in vals)
-                + f" (mean {format(sum(vals) / len(vals), fmt)}, range {format(max(vals) - min(vals), fmt)})")
-
-    return (f"Spread across seeds {', '.join(map(str, seeds))} of `tiny_cpu.yaml` (`run.seed=...`: each its own "
-            f"warm-up, prompts and samples): mean length over the last tenth {stat('length', 1, '.1f')}; task reward "
-            f"over the last tenth {stat('reward', 1, '.3f')}; lambda at the end {stat('lambda_end', None, '.3f')}.")
+def band(values: list[float], fmt: str) -> str:
+    """``median (min-max)`` of ``values``."""
+    v = sorted(values)
+    mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    return f"{format(mid, fmt)} ({format(v[0], fmt)} to {format(v[-1], fmt)})"
 
 
-def block(results: Path, made: dict, seeds: list[int]) -> str:
-    lines = [BEGIN, "", "| run | mean length, first tenth -> last tenth | task reward, first -> last tenth | "
-             "lambda at the end |", "| --- | --- | --- | --- |"]
-    for name, _recipe, _over, label in ROWS:
-        rows = rows_of(results / name)
-        ceiling = run_ceiling(results / name)
-        lines.append(table_row(label, summary(rows, ceiling), name != "tiny_cpu_grpo", ceiling))
-    per_seed = {SEED: summary(rows_of(results / "tiny_cpu"), run_ceiling(results / "tiny_cpu"))}
-    for s in seeds:
-        if s != SEED:
-            per_seed[s] = summary(rows_of(results / f"tiny_cpu_seed{s}"), None)
-    lines += ["", spread_line(per_seed), "",
-              f"Measured {made['date']} by `PYTHONPATH=. python benchmarks/tiny_runs.py --write` (seed {SEED} unless "
-              f"said; {made_with(made)}).", "", END]
+def settling_text(cells: list[dict]) -> str:
+    steps = [c["settling"] for c in cells if c["settling"] is not None]
+    never = len(cells) - len(steps)
+    text = band(steps, ".0f") if steps else "-"
+    return text + (f"; not within the run: {never} of {len(cells)}" if never else "")
+
+
+def holds(cell: dict, grpo: dict | None) -> list[str]:
+    """The claims a LACONIC cell breaks (empty: it holds the band)."""
+    out = []
+    if abs(cell["rel"]) > CLAIMS["length_tol"]:
+        out.append(f"last tenth {100 * cell['rel']:+.1f}% of B (band +-{100 * CLAIMS['length_tol']:.0f}%)")
+    if cell["reward"] < CLAIMS["reward_min"]:
+        out.append(f"task reward {cell['reward']:.3f} < {CLAIMS['reward_min']}")
+    if grpo is not None and cell["reward"] < grpo["reward"] - CLAIMS["reward_vs_grpo"]:
+        out.append(f"task reward {cell['reward']:.3f} below GRPO's {grpo['reward']:.3f}")
+    return out
+
+
+def grid_cells(results: Path, seeds: list[int], settings: list[str]) -> dict[tuple[str, str, int], dict]:
+    """(run, setting, seed) -> :func:`cell_summary` of every run of the grid."""
+    return {(name, st, seed): cell_summary(results / st / f"{name}_s{seed}") for st in settings for seed in seeds
+            for name, _recipe, _over, _label in GRID}
+
+
+def block(results: Path, made: dict, seeds: list[int], settings: list[str]) -> str:
+    cells = grid_cells(results, seeds, settings)
+    keys = [(st, seed) for st in settings for seed in seeds]
+    n_cells = len(keys)
+    B = cells[("laconic", settings[0], seeds[0])]["budget"]
+    steps = cells[("laconic", settings[0], seeds[0])]["steps"]
+    tol = 100 * CLAIMS["length_tol"]
+    lines = [BEGIN, "", f"Over {n_cells} cells ({len(seeds)} seeds x {len(settings)} CPU kernel settings), {steps} "
+             f"steps each, B = {B:g}; each number is the median (min to max) over the cells:", "",
+             "| run | mean length, first tenth -> last tenth | last tenth vs B | task reward, first tenth -> last "
+             "tenth | lambda at the end | settling step (within +-5% of B from then on) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, _recipe, _over, label in GRID:
+        cs = [cells[(name, st, seed)] for st, seed in keys]
+        lam = band([c["lambda_end"] for c in cs], ".3f") if name != "grpo" else "0"
+        if name != "grpo" and any(c["at_ceiling"] for c in cs):
+            lam += f"; at the ceiling in {sum(1 for c in cs if c['at_ceiling'])} cells"
+        lines.append(f"| {label} | {band([c['length0'] for c in cs], '.1f')} -> {band([c['length'] for c in cs], '.1f')} "
+                     f"| {band([100 * c['rel'] for c in cs], '+.1f')}% | {band([c['reward0'] for c in cs], '.3f')} -> "
+                     f"{band([c['reward'] for c in cs], '.3f')} | {lam} | "
+                     f"{settling_text(cs) if name != 'grpo' else '-'} |")
+    lines += ["", "Per cell (last tenth: mean length, its distance to B, task reward; the settling step):", "",
+              "| seed | CPU kernels | LACONIC (integral) | GRPO | LACONIC (pid) | the band (LACONIC, integral) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    broken = 0
+    for st, seed in keys:
+        lac, grpo, pid = (cells[(name, st, seed)] for name in ("laconic", "grpo", "pid"))
+        why = holds(lac, grpo)
+        broken += bool(why)
+
+        def cell(c, settle=True):
+            text = f"{c['length']:.1f} ({100 * c['rel']:+.1f}%), {c['reward']:.3f}"
+            return text + (f", settles at {c['settling']}" if settle and c["settling"] is not None else
+                           (", not settled" if settle else ""))
+
+        lines.append(f"| {seed} | {st} | {cell(lac)} | {cell(grpo, False)} | {cell(pid)} | "
+                     f"{'holds' if not why else '; '.join(why)} |")
+    lines += ["", f"The band (`CLAIMS` of `benchmarks/tiny_runs.py`, what `--check` asks of every cell on any machine): "
+              f"LACONIC's mean length over the last tenth within +-{tol:.0f}% of B, its task reward there at least "
+              f"{CLAIMS['reward_min']:.2f} and at least GRPO's in the same cell. Here {n_cells - broken} of {n_cells} "
+              "cells hold it.", "",
+              "CPU kernel settings (each stands for a machine; docs/megatron_cpu.md): "
+              + "; ".join(f"`{st}`: {SETTINGS[st][0]}" for st in settings) + ".", "",
+              f"Measured {made['date']} by `PYTHONPATH=. python benchmarks/tiny_runs.py --write` on "
+              f"{made['cpu_isa'].get('cpu', made['cpu_isa']['machine'])} ({made_with(made, kernels=False)}).", "",
+              END]
     return "\n".join(lines)
 
 
@@ -352,10 +421,54 @@ def update_readme(text: str, begin: str, end: str, args, block: str, source: str
     return 0
 
 
-def plot(results: Path, png: Path) -> None:
-    from laconic_nemo.app.plots import plot_training_curves
+def plot(results: Path, png: Path, seeds: list[int], settings: list[str]) -> None:
+    """Every cell's mean length (B and the band shaded), task reward and lambda along its steps: LACONIC with the
+    integral dual step, GRPO and LACONIC with the pid step."""
+    import matplotlib
 
-    plot_training_curves(results / "tiny_cpu" / "metrics.jsonl", png, title="tiny_cpu: shaper laconic, B=31")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"laconic": "tab:blue", "grpo": "0.6", "pid": "tab:orange"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    budget = None
+    for name, _recipe, _over, label in GRID:
+        for i, (st, seed) in enumerate((st, seed) for st in settings for seed in seeds):
+            rows = rows_of(results / st / f"{name}_s{seed}")
+            steps = [r["step"] for r in rows]
+            budget = rows[0]["budget"]
+            kw = {"color": colors[name], "lw": 0.9, "alpha": 0.8, "label": label.split(" (")[0] if i == 0 else None}
+            axes[0].plot(steps, [r["mean_response_length"] for r in rows], **kw)
+            axes[1].plot(steps, [r["task_reward"] for r in rows], **kw)
+            if name != "grpo":
+                axes[2].plot(steps, [r["lambda"] for r in rows], **kw)
+    tol = CLAIMS["length_tol"]
+    axes[0].axhline(budget, color="k", ls="--", lw=1, label="budget B")
+    axes[0].axhspan(budget * (1 - tol), budget * (1 + tol), color="k", alpha=0.08, label=f"B +-{100 * tol:.0f}%")
+    for ax, title in zip(axes, ("mean response length (tokens)", "task reward (accuracy)", "lambda")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="best", fontsize=7)
+    fig.suptitle(f"tiny_cpu over {len(seeds)} seeds x {len(settings)} CPU kernel settings")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def check_band(results: Path, seeds: list[int], settings: list[str]) -> int:
+    """1 when a LACONIC cell breaks a claim of :data:`CLAIMS` (printed), else 0."""
+    bad = 0
+    for st in settings:
+        for seed in seeds:
+            lac = cell_summary(results / st / f"laconic_s{seed}")
+            grpo = cell_summary(results / st / f"grpo_s{seed}")
+            why = holds(lac, grpo)
+            say(f"seed {seed}, {st}: last tenth {lac['length']:.1f} ({100 * lac['rel']:+.1f}% of B), task reward "
+                f"{lac['reward']:.3f} (GRPO {grpo['reward']:.3f}): " + ("holds the band" if not why else "; ".join(why)))
+            bad += bool(why)
+    say("every cell holds the README's band" if not bad else f"{bad} cell(s) leave the README's band")
+    return int(bad > 0)
 
 
 def main(argv=None) -> int:
@@ -363,34 +476,41 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=None, help="folder of the runs (default results/tiny_runs, with "
                     "--constraints results/constraint_runs)")
     ap.add_argument("--constraints", action="store_true", help="the constraints-beyond-the-mean runs and table")
-    ap.add_argument("--seeds", default="7,8,9", help="seeds of tiny_cpu.yaml for the spread line (7 included)")
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds of the grid (default %(default)s)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="CPU kernel settings of the grid, of "
+                    f"{', '.join(SETTINGS)} (default all)")
     ap.add_argument("--fresh", action="store_true", help="remove RESULTS first")
     ap.add_argument("--no-train", action="store_true", help="fail instead of training a missing run")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="write the block into README.md and the curves PNG")
-    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a cell here leaves the README's band")
     args = ap.parse_args(argv)
-    from laconic_nemo.runtime.cpu_isa import pin_cpu_isa
-
-    pin_cpu_isa()  # as the ranks' launcher pins them (CPU runs): the manifest and the block name it
-    seeds = sorted({int(s) for s in args.seeds.split(",")} | {SEED})
+    seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad or not seeds or not settings:
+        ap.error(f"--settings: unknown {bad} (allowed {', '.join(SETTINGS)}); --seeds and --settings not empty")
     results = Path(args.results or ("results/constraint_runs" if args.constraints else "results/tiny_runs")).resolve()
     made = open_results(results, args.fresh)
     if args.constraints:
-        jobs = [(name, recipe, over) for name, recipe, over, _ in CONSTRAINT_ROWS if loads(recipe, over) is None]
+        jobs = [(name, recipe, over, None) for name, recipe, over, _ in CONSTRAINT_ROWS if loads(recipe, over) is None]
     else:
-        jobs = [(name, recipe, over) for name, recipe, over, _ in ROWS]
-        jobs += [(f"tiny_cpu_seed{s}", "recipes/tiny_cpu.yaml", [f"run.seed={s}"]) for s in seeds if s != SEED]
-    for k, (name, recipe, over) in enumerate(jobs, 1):
+        jobs = [(f"{st}/{name}_s{seed}", recipe, [*over, f"run.seed={seed}"], SETTINGS[st][1])
+                for st in settings for seed in seeds for name, recipe, over, _ in GRID]
+    for k, (name, recipe, over, env) in enumerate(jobs, 1):
         if args.no_train and not run_complete(results / name, num_steps(recipe, over)):
             raise SystemExit(f"[tiny-runs] {name} is not complete in {results} (--no-train)")
-        train(name, recipe, over, results, k, len(jobs))
-    text = constraint_block(results, made) if args.constraints else block(results, made, seeds)
-    print(text)
+        train(name, recipe, over, results, k, len(jobs), env)
     if args.constraints:
-        return update_readme(text, C_BEGIN, C_END, args, "tiny-run block", "these runs")
+        text = constraint_block(results, made)
+        print(text)
+        return update_readme(text, C_BEGIN, C_END, args, "constraint-runs block", "these runs", doc=CONSTRAINT_DOC)
+    text = block(results, made, seeds, settings)
+    print(text)
+    if args.check:
+        return check_band(results, seeds, settings)
     return update_readme(text, BEGIN, END, args, "tiny-run block", "these runs", "docs/tiny_cpu_curves.png",
-                         lambda: plot(results, ROOT / "docs" / "tiny_cpu_curves.png"))
+                         lambda: plot(results, ROOT / "docs" / "tiny_cpu_curves.png", seeds, settings))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 1. layers: every unit (a folder of the package, or a module at its root) stands in one layer of :data:`LAYERS`,
    lowest first; a module imports its own unit and units of LOWER layers only (no upward import, none sideways
    to another unit of its layer);
-2. no import loops: the graph of the package's modules (file -> the file it imports) has no cycle;
+2. no import loops: the graph of the package's modules (file -> the file it imports) has no cycle, nor has the
+   graph of the scripts beside it (benchmarks/, tests/, launch/, examples/, ...: a bare ``import name`` of a
+   module file of the script's own folder or of a folder such scripts put on ``sys.path``);
 3. each library unit imports only what :data:`ALLOWED` names (narrower than its layer: the algorithm does not
    reach down into a concrete actor or rollout engine), and only the units above the entry points import them;
 4. no private member (``_name``) of the package is used outside the module that defines it
@@ -144,7 +146,12 @@ def upward_imports(files, pkg: Path = PKG) -> list[str]:
 def import_loops(files, pkg: Path = PKG) -> list[str]:
     """Each cycle of :func:`import_graph` (a strongly connected set of two files or more), as the files and the
     imports that tie them (``a.py:12 -> b.py``)."""
-    graph = import_graph(files, pkg)
+    return cycles(import_graph(files, pkg), pkg.parent)
+
+
+def cycles(graph: dict[Path, dict[Path, int]], base: Path) -> list[str]:
+    """Each strongly connected set of two files or more of ``graph`` (file -> {imported file: line}), named by the
+    imports that tie it, paths relative to ``base``."""
     index: dict[Path, int] = {}
     low: dict[Path, int] = {}
     stack: list[Path] = []
@@ -178,7 +185,7 @@ def import_loops(files, pkg: Path = PKG) -> list[str]:
     out = []
     for component in loops:
         members = set(component)
-        ties = [f"{a.relative_to(pkg.parent)}:{line} -> {b.relative_to(pkg.parent)}"
+        ties = [f"{a.relative_to(base)}:{line} -> {b.relative_to(base)}"
                 for a in component for b, line in sorted(graph[a].items()) if b in members]
         out.append(f"loop of {len(component)} files: " + "; ".join(ties))
     return out
@@ -284,6 +291,62 @@ def test_the_rule_catches_an_import_loop(tmp_path):
         assert tie in loops[0], (tie, loops[0])
     assert "outside" not in loops[0]
     assert import_loops([f for f in files if f.name != "b.py"], pkg) == []
+
+
+# ------------------------------------------------------------------------------------------ the scripts' imports
+ROOT = PKG.parent
+# the folders of scripts (not the package): a script imports another by its bare name, from its own folder or from
+# one of these folders (put on sys.path by the importer: benchmarks/gpu_common.py adds tests/dist, the tests add
+# benchmarks/ and tests/dist)
+SCRIPT_DIRS = ("benchmarks", "tests", "tests/dist", "tests/slurm", "launch", "examples", "scripts", "containers")
+
+
+def script_files(root: Path = ROOT) -> list[Path]:
+    return sorted(f for d in SCRIPT_DIRS if (root / d).is_dir() for f in (root / d).rglob("*.py"))
+
+
+def script_graph(files, root: Path = ROOT) -> dict[Path, dict[Path, int]]:
+    """file -> {script file it imports: line of the first such import}: an absolute import whose first name is a
+    module file of the importing file's folder, else of one of :data:`SCRIPT_DIRS`."""
+    graph: dict[Path, dict[Path, int]] = {}
+    for f in files:
+        edges = graph.setdefault(f, {})
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                first = name.split(".")[0]
+                for folder in (f.parent, *(root / d for d in SCRIPT_DIRS)):
+                    target = folder / f"{first}.py"
+                    if target.is_file():
+                        if target != f:
+                            edges.setdefault(target, node.lineno)
+                        break
+    return graph
+
+
+def test_no_import_loops_among_the_scripts():
+    assert cycles(script_graph(script_files()), ROOT) == []
+
+
+def test_the_script_rule_catches_an_import_loop(tmp_path):
+    """Two planted benchmarks that import each other (one inside a function, as benchmarks/plain_decode.py imported
+    gpu_step.py's shapes while gpu_step.py imported plain_decode.py) are one loop; a third that imports one of them
+    is not part of it, and a name that is no script of the tree (torch) makes no edge."""
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "step.py").write_text("import torch\nfrom plain import PlainStep\n")
+    (bench / "plain.py").write_text("PlainStep = 1\n\n\ndef shapes():\n    from step import SHAPES\n")
+    (bench / "other.py").write_text("import step\n")
+    loops = cycles(script_graph(script_files(tmp_path), tmp_path), tmp_path)
+    assert loops == ["loop of 2 files: benchmarks/plain.py:5 -> benchmarks/step.py; "
+                     "benchmarks/step.py:2 -> benchmarks/plain.py"], loops
+    (bench / "plain.py").write_text("PlainStep = 1\n")
+    assert cycles(script_graph(script_files(tmp_path), tmp_path), tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------- private members

@@ -243,7 +243,7 @@ def test_synthetic_gpt_takes_the_shape_of_a_config_json(dist1, tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root / "benchmarks"))
-    from gpu_step import SHAPES, hf_config
+    from gpu_common import SHAPES, hf_config
 
     assert arch_from_hf_config(root / "recipes" / "shapes" / "deepseek-r1-distill-qwen-1.5b") == \
         ModelArch(**SHAPES["deepseek-1.5b"])

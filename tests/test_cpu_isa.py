@@ -1,6 +1,7 @@
-"""The pinned instruction set of CPU runs (laconic_nemo/runtime/cpu_isa.py): which variables a CPU run on x86-64 gets,
-which runs are left alone, the key that names it, and (slow) the main job's bits under two instruction-set settings
-of one machine: equal once pinned, different without the pin."""
+"""The instruction set of CPU runs (laconic_nemo/runtime/cpu_isa.py): the machine's own kernels by default, which
+variables a pinned CPU run on x86-64 gets (LACONIC_CPU_ISA=avx2), which runs are left alone, the key that names it,
+and (slow) the main job's bits under two instruction-set settings of one machine: equal once pinned, different
+without the pin."""
 
 from __future__ import annotations
 
@@ -23,23 +24,25 @@ PINNED = {"pin": "avx2", "machine": platform.machine(), "aten": "AVX2", "mkl_cbw
           "onednn_max_cpu_isa": "AVX2"}
 
 
-def test_a_cpu_run_on_x86_64_is_pinned_to_avx2_kernels_and_mkl_compatible(monkeypatch):
-    """The pin overrides what the environment says (the variables stand for the machine's own choice, which is
-    what differs between machines); LACONIC_CPU_ISA=native leaves them; a GPU run and another machine get
-    nothing."""
+def test_a_cpu_run_runs_the_machines_own_kernels_unless_pinned(monkeypatch):
+    """The default is the machine's own kernels: nothing is written into the environment. LACONIC_CPU_ISA=avx2 pins,
+    overriding what the environment says (the variables stand for the machine's own choice, which is what differs
+    between machines); a GPU run and another machine get nothing either way."""
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
-    env = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO", "OTHER": "1"}
+    assert isa.cpu_isa_setting({}) == "native"
     pin = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    assert isa.pin_cpu_isa(env) == pin and env == {**pin, "OTHER": "1"}
-    for env, cpu in (({"LACONIC_CPU_ISA": "native", "ATEN_CPU_CAPABILITY": "avx512"}, True),
+    env = {"LACONIC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO", "OTHER": "1"}
+    assert isa.pin_cpu_isa(env) == pin and env == {**pin, "LACONIC_CPU_ISA": "avx2", "OTHER": "1"}
+    for env, cpu in (({"ATEN_CPU_CAPABILITY": "avx512"}, True),
+                     ({"LACONIC_CPU_ISA": "native", "ATEN_CPU_CAPABILITY": "avx512"}, True),
                      ({"LACONIC_CPU_ISA": " Native ", "ATEN_CPU_CAPABILITY": "avx512"}, True),
-                     ({"ATEN_CPU_CAPABILITY": "avx512"}, False)):
+                     ({"LACONIC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx512"}, False)):
         before = dict(env)
         assert isa.pin_cpu_isa(env, cpu=cpu) == {} and env == before
     assert isa.pin_cpu_isa({"LACONIC_CPU_ISA": "AVX2"}) == isa.PINS["avx2"]
     monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
-    env = {}
-    assert isa.pin_cpu_isa(env) == {} and env == {}
+    env = {"LACONIC_CPU_ISA": "avx2"}
+    assert isa.pin_cpu_isa(env) == {} and env == {"LACONIC_CPU_ISA": "avx2"}
 
 
 def test_a_bad_setting_names_the_variable_and_the_choices():
@@ -66,15 +69,13 @@ def _isa_in(env: dict) -> dict:
 
 
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
-@pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
 def test_the_in_container_entry_pins_a_cpu_run_before_training(monkeypatch, tmp_path):
     """launch/submit.sh runs `python -m laconic_nemo.nemo_entry` under srun; for a megatron-core recipe it hands the
-    config to train_cli.train. Its CPU ranks run the pinned kernels as `laconic-nemo train`'s do: the pin is in the
-    environment before train starts (before the first kernel; a Slurm job's rows equal the local run's)."""
+    config to train_cli.train. Its CPU ranks run the kernels `laconic-nemo train`'s do: with LACONIC_CPU_ISA=avx2 the
+    pin is in the environment before train starts (before the first kernel; a Slurm job's rows equal the local
+    run's), by default nothing is."""
     from laconic_nemo.app import nemo_entry, train_cli
 
-    for key in ("LACONIC_CPU_ISA", *isa.PINS["avx2"]):
-        monkeypatch.delenv(key, raising=False)
     seen = {}
 
     def fake_train(cfg):
@@ -82,8 +83,14 @@ def test_the_in_container_entry_pins_a_cpu_run_before_training(monkeypatch, tmp_
         return 0
 
     monkeypatch.setattr(train_cli, "train", fake_train)
-    rc = nemo_entry.main([str(ROOT / "recipes" / "tiny_cpu.yaml"), f"run.output_dir={tmp_path / 'out'}"])
-    assert rc == 0 and seen == isa.PINS["avx2"]
+    for setting, expected in (("avx2", isa.PINS["avx2"]), (None, dict.fromkeys(isa.PINS["avx2"]))):
+        for key in ("LACONIC_CPU_ISA", *isa.PINS["avx2"]):
+            monkeypatch.delenv(key, raising=False)
+        if setting is not None:
+            monkeypatch.setenv("LACONIC_CPU_ISA", setting)
+        seen.clear()
+        rc = nemo_entry.main([str(ROOT / "recipes" / "tiny_cpu.yaml"), f"run.output_dir={tmp_path / 'out'}"])
+        assert rc == 0 and seen == expected, setting
 
 
 def test_the_key_names_the_kernels_in_effect():
@@ -98,12 +105,17 @@ def test_the_key_names_the_kernels_in_effect():
 
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
 def test_the_planned_kernels_are_what_a_pinned_process_runs(monkeypatch):
-    """An evaluation looks the trainer's warm-up up under planned_cpu_isa(): in this (unpinned) test process it equals
-    what a freshly pinned process reports, so the lookup finds the ranks' cache; native, it is this process's own."""
-    monkeypatch.delenv("LACONIC_CPU_ISA", raising=False)
+    """An evaluation looks the trainer's warm-up up under planned_cpu_isa(): pinned, in this (unpinned) test process
+    it equals what a freshly pinned process reports, so the lookup finds the ranks' cache; native (the default), it is
+    this process's own."""
+    monkeypatch.setenv("LACONIC_CPU_ISA", "avx2")
     assert isa.planned_cpu_isa() == _isa_in({"LACONIC_CPU_ISA": "avx2"}) == PINNED
-    monkeypatch.setenv("LACONIC_CPU_ISA", "native")
-    assert isa.planned_cpu_isa() == isa.cpu_isa()
+    for setting in ("native", None):
+        if setting is None:
+            monkeypatch.delenv("LACONIC_CPU_ISA")
+        else:
+            monkeypatch.setenv("LACONIC_CPU_ISA", setting)
+        assert isa.planned_cpu_isa() == isa.cpu_isa()
 
 
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
@@ -162,14 +174,15 @@ def _bits(tmp: Path, name: str, env: dict) -> tuple[list[dict], str, dict]:
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="the pin is for x86-64 machines")
 def test_the_main_job_gives_the_same_bits_under_two_instruction_set_settings(tmp_path):
-    """Two settings of one machine stand for two machines. Without the pin (LACONIC_CPU_ISA=native) the warm-up and
-    the first GRPO steps differ between them in their bits (so the settings matter here); pinned (the default),
-    machine a's ranks run ATen's AVX2 kernels and MKL's COMPATIBLE branch, machine b's own choice, and the cached
-    warm-up policy and every metric equal b's, bit for bit, with the pin named in the cache's meta.json."""
+    """Two settings of one machine stand for two machines of one vendor (what the pin buys: docs/megatron_cpu.md).
+    Without the pin (LACONIC_CPU_ISA=native, the default) the warm-up and the first GRPO steps differ between them in
+    their bits (so the settings matter here); pinned (LACONIC_CPU_ISA=avx2), machine a's ranks run ATen's AVX2 kernels
+    and MKL's COMPATIBLE branch, machine b's own choice, and the cached warm-up policy and every metric equal b's, bit
+    for bit, with the pin named in the cache's meta.json."""
     native = {m: _bits(tmp_path, f"native_{m}", {**env, "LACONIC_CPU_ISA": "native"}) for m, env in MACHINES.items()}
     assert native["a"][1] != native["b"][1] and native["a"][0] != native["b"][0]
     assert native["a"][2]["cpu_isa"]["aten"] == "DEFAULT" and native["a"][2]["cpu_isa"]["pin"] is None
-    pinned = _bits(tmp_path, "pinned_a", MACHINES["a"])
+    pinned = _bits(tmp_path, "pinned_a", {**MACHINES["a"], "LACONIC_CPU_ISA": "avx2"})
     assert pinned[1] == native["b"][1]
     assert pinned[0] == native["b"][0] and [r["step"] for r in pinned[0]] == [1, 2]
     assert pinned[2]["cpu_isa"] == native["b"][2]["cpu_isa"] == PINNED

@@ -1,28 +1,29 @@
-"""The instruction set of a CPU run's kernels, pinned so that its floats are the same on every x86-64 machine.
+"""The instruction set of a CPU run's kernels: the machine's own (the default) or a pin (``LACONIC_CPU_ISA=avx2``).
 
 torch's CPU wheel carries its kernels in several builds and picks one by the processor it runs on: ATen's
 vectorised kernels (reductions, softmax, norms, element-wise maths) in AVX-512 where the CPU has it, else AVX2;
-MKL (the wheel's BLAS) a code path per processor, another on an Intel than on an AMD CPU; oneDNN (the GELU) its
-AVX-512 or AVX2 code. A sum over 16-wide vectors rounds otherwise than one over 8-wide vectors, so the same code,
-versions and threads
-give other bits on another x86-64 machine, and a 70-step run drifts apart (README, "Measured"). The ranks of a
-CPU run are therefore pinned, before torch runs its first kernel, to a choice every x86-64 machine with AVX2
-honours (:data:`PINS`):
+MKL (the wheel's BLAS, and its vector maths library VML, which ATen calls for sqrt, exp, log, ...) a code path
+per processor, another on an Intel than on an AMD CPU; oneDNN (the GELU) its AVX-512 or AVX2 code. A sum over
+16-wide vectors rounds otherwise than one over 8-wide vectors, so the same code, versions and threads give other
+bits on another x86-64 machine, and a 70-step run drifts apart.
 
-* ``ATEN_CPU_CAPABILITY=avx2``: ATen's AVX2 kernels (torch falls back to its own detection on a CPU without
-  AVX2, and the warm-up cache key then names what it chose);
-* ``MKL_CBWR=COMPATIBLE``: MKL's conditional-numerical-reproducibility branch of SSE2 without the approximate
-  rcpps / rsqrtps instructions (the matmuls: SGEMM, SGEMM_BATCH), the one fixed branch MKL honours on processors
-  of every vendor (its ``AVX2`` branch is for Intel processors only: on an AMD processor ``MKL_CBWR=AVX2`` runs
-  MKL's ``AUTO`` branch, as MKL's ``mkl_serv_cbwr_get`` reports there);
-* ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's AVX2 code (the GELU of the MLP, forward and backward, is a oneDNN
-  primitive in this wheel; its AVX-512 code uses another approximation of erf than its AVX2 code, which divides
-  exactly and has no approximate instruction).
+``LACONIC_CPU_ISA`` chooses:
 
-``LACONIC_CPU_ISA`` chooses: ``avx2`` (the default) pins, overriding those variables in the ranks; ``native``
-leaves torch's, MKL's and oneDNN's own choices (and the variables as the user set them). Only CPU runs are
-pinned: a GPU run's kernels run on the GPU, and the pin would slow its CPU side for nothing. Machines other than
-x86-64 (aarch64: no AVX2, no MKL) are not pinned either; their numbers are their own, and the key says so.
+* ``native`` (the default): torch's, MKL's and oneDNN's own choices (and the variables as the user set them).
+  The run's floats are the machine's; what the main job shows is stated as a band over machines and seeds
+  (README, "The main job"), not as one machine's bits.
+* ``avx2``: the ranks are pinned, before torch runs its first kernel, to :data:`PINS` (overriding those variables):
+  ``ATEN_CPU_CAPABILITY=avx2`` (ATen's AVX2 kernels), ``MKL_CBWR=COMPATIBLE`` (MKL's conditional-numerical-
+  reproducibility branch that MKL runs on processors of every vendor; its ``AVX2`` branch is for Intel processors
+  only) and ``ONEDNN_MAX_CPU_ISA=AVX2``. What it buys, measured (docs/megatron_cpu.md, "Which kernels part two
+  machines"): the same bits under every ISA setting of one machine, and on two Intel Xeons with AVX-512; not the
+  same bits on an Intel and an AMD machine: MKL's COMPATIBLE branch computes a float32 sqrt (VML, the optimiser's
+  Adam denominator) that is not correctly rounded and whose bits follow the processor's approximate instructions.
+  Its price: about 1.5x the CPU time of the native kernels.
+
+Only CPU runs are pinned: a GPU run's kernels run on the GPU, and the pin would slow its CPU side for nothing.
+Machines other than x86-64 (aarch64: no AVX2, no MKL) are not pinned either. The warm-up cache key and a
+checkpoint's meta name the kernels in effect either way (:func:`cpu_isa`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from collections.abc import MutableMapping
 from typing import Any
 
 ISA_ENV = "LACONIC_CPU_ISA"
-DEFAULT = "avx2"
-# the settings of each pinned choice: every x86-64 CPU with AVX2, of any vendor, honours them
+DEFAULT = "native"
+# the settings of each pinned choice: every x86-64 CPU with AVX2, of any vendor, honours them (the same bits on
+# every ISA setting of one vendor's machines, not across vendors: module docstring)
 PINS: dict[str, dict[str, str]] = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 CHOICES = (*PINS, "native")

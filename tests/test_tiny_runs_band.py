@@ -1,0 +1,82 @@
+"""benchmarks/tiny_runs.py's grid: each cell's numbers, the band every cell must hold (its CLAIMS) and the README
+block, on hand-made runs whose answers are worked out by hand (no training here: the grid itself is a benchmark)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import tiny_runs  # noqa: E402
+
+
+def _run(folder: Path, lengths: list[float], rewards: list[float], lambdas: list[float], shaper: str = "laconic",
+         budget: float = 31.0, ceiling: float | None = 1.0) -> None:
+    folder.mkdir(parents=True)
+    rows = [{"step": i + 1, "mean_response_length": L, "task_reward": r, "lambda": lam, "lambda_next": lam,
+             "budget": budget} for i, (L, r, lam) in enumerate(zip(lengths, rewards, lambdas))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ceiling_text = "null" if ceiling is None else ceiling
+    (folder / "config.yaml").write_text(f"laconic:\n  shaper: {shaper}\n  budget: {budget}\n  ceiling: {ceiling_text}\n"
+                                        f"rollout:\n  max_new_tokens: 96\n")
+
+
+def test_a_cell_summary_is_its_first_and_last_tenth_and_its_settling_step(tmp_path):
+    # 20 steps: tenths of 2 steps; the length reaches B at step 11 and stays within 5% of it (3-step means) from the
+    # window ending at step 13 on
+    lengths = [46.0] * 10 + [31.0, 31.0, 31.0] + [30.0] * 5 + [31.0, 32.0]
+    rewards = [0.5, 0.7] + [0.8] * 16 + [0.9, 0.84]
+    lambdas = [0.05 * i for i in range(20)]
+    _run(tmp_path / "r", lengths, rewards, lambdas, ceiling=0.9)
+    c = tiny_runs.cell_summary(tmp_path / "r")
+    assert c["steps"] == 20 and c["budget"] == 31.0
+    assert c["length0"] == 46.0 and c["length"] == 31.5 and c["rel"] == pytest.approx(0.5 / 31)
+    assert c["reward0"] == pytest.approx(0.6) and c["reward"] == pytest.approx(0.87)
+    assert c["lambda_end"] == pytest.approx(0.95) and c["at_ceiling"] == 2  # steps 19 and 20: 0.9, 0.95 >= 0.9
+    assert c["settling"] == 13
+
+
+def test_the_band_names_each_claim_a_cell_breaks():
+    cell = {"rel": 0.0, "reward": 0.85}
+    assert tiny_runs.holds(cell, {"reward": 0.80}) == []
+    assert tiny_runs.holds({"rel": 0.051, "reward": 0.85}, {"reward": 0.80}) == ["last tenth +5.1% of B (band +-5%)"]
+    assert tiny_runs.holds({"rel": -0.06, "reward": 0.79}, {"reward": 0.80}) == [
+        "last tenth -6.0% of B (band +-5%)", "task reward 0.790 < 0.8", "task reward 0.790 below GRPO's 0.800"]
+    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85}, {"reward": 0.86}) == ["task reward 0.850 below GRPO's 0.860"]
+
+
+def _grid(results: Path, laconic_last: dict) -> None:
+    """A 2 x 2 grid of 10-step runs: LACONIC's last step at ``laconic_last[(setting, seed)]`` tokens (B 31)."""
+    for st in ("native", "pin"):
+        for seed in (7, 8):
+            last = laconic_last[(st, seed)]
+            _run(results / st / f"laconic_s{seed}", [45.0] + [31.0] * 8 + [last], [0.6] + [0.85] * 9, [0.1] * 10)
+            _run(results / st / f"grpo_s{seed}", [48.0] * 10, [0.6] + [0.82] * 9, [0.0] * 10, shaper="grpo")
+            _run(results / st / f"pid_s{seed}", [44.0] + [31.0] * 9, [0.6] + [0.83] * 9, [0.2] * 10)
+
+
+def test_the_block_gives_medians_and_ranges_over_the_cells_and_check_fails_on_a_cell_out_of_the_band(tmp_path,
+                                                                                                     capsys):
+    made = {"date": "2026-11-28", "cpu_isa": {"machine": "x86_64", "cpu": "Test CPU"}, "threads_per_rank": 1,
+            "versions": {"torch": "2.13.0+cpu", "megatron-core": "0.16.1", "python": "3.11"}}
+    last = {("native", 7): 31.0, ("native", 8): 32.0, ("pin", 7): 30.0, ("pin", 8): 31.0}
+    _grid(tmp_path / "a", last)
+    text = tiny_runs.block(tmp_path / "a", made, [7, 8], ["native", "pin"])
+    assert text.startswith(tiny_runs.BEGIN) and text.endswith(tiny_runs.END)
+    row = next(line for line in text.splitlines() if line.startswith("| LACONIC, integral"))
+    # first tenth 45 in every cell; last tenth = the last step: 31, 32, 30, 31 -> median 31.0, 30.0 to 32.0
+    assert "| 45.0 (45.0 to 45.0) -> 31.0 (30.0 to 32.0) |" in row
+    assert "| +0.0 (-3.2 to +3.2)% |" in row and "-> 0.850 (0.850 to 0.850) |" in row and row.endswith("| 4 (4 to 4) |")
+    assert "Here 4 of 4 cells hold it." in text and "on Test CPU (" in text
+    assert tiny_runs.check_band(tmp_path / "a", [7, 8], ["native", "pin"]) == 0
+    # one cell 7% over B: the check names it and fails
+    _grid(tmp_path / "b", {**last, ("pin", 8): 33.2})
+    assert tiny_runs.check_band(tmp_path / "b", [7, 8], ["native", "pin"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 8, pin: last tenth 33.2 (+7.1% of B)" in out and "1 cell(s) leave the README's band" in out
+    assert "Here 3 of 4 cells hold it." in tiny_runs.block(tmp_path / "b", made, [7, 8], ["native", "pin"])

@@ -479,6 +479,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds of the grid (default %(default)s)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="CPU kernel settings of the grid, of "
                     f"{', '.join(SETTINGS)} (default all)")
+    ap.add_argument("--runs", default=",".join(name for name, *_ in GRID), help="runs of the grid to train, of "
+                    f"{', '.join(name for name, *_ in GRID)} (default all; the block reports the runs present)")
     ap.add_argument("--fresh", action="store_true", help="remove RESULTS first")
     ap.add_argument("--no-train", action="store_true", help="fail instead of training a missing run")
     mode = ap.add_mutually_exclusive_group()
@@ -487,6 +489,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not runs or any(r not in {name for name, *_ in GRID} for r in runs):
+        ap.error(f"--runs: {args.runs!r} (allowed {', '.join(name for name, *_ in GRID)}, not empty)")
     bad = [s for s in settings if s not in SETTINGS]
     if bad or not seeds or not settings:
         ap.error(f"--settings: unknown {bad} (allowed {', '.join(SETTINGS)}); --seeds and --settings not empty")
@@ -496,7 +501,7 @@ def main(argv=None) -> int:
         jobs = [(name, recipe, over, None) for name, recipe, over, _ in CONSTRAINT_ROWS if loads(recipe, over) is None]
     else:
         jobs = [(f"{st}/{name}_s{seed}", recipe, [*over, f"run.seed={seed}"], SETTINGS[st][1])
-                for st in settings for seed in seeds for name, recipe, over, _ in GRID]
+                for st in settings for seed in seeds for name, recipe, over, _ in GRID if name in runs]
     for k, (name, recipe, over, env) in enumerate(jobs, 1):
         if args.no_train and not run_complete(results / name, num_steps(recipe, over)):
             raise SystemExit(f"[tiny-runs] {name} is not complete in {results} (--no-train)")

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from laconic_nemo.config import load_config
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 # A smaller, faster variant of the tiny recipe for the mechanics tests (behaviour does not matter there).
@@ -197,21 +199,25 @@ def test_sigusr1_checkpoints_and_stops_then_resume_finishes(tmp_path):
 def test_tiny_run_tracks_the_budget_and_grpo_does_not(tmp_path):
     cache = f"warmup.cache_dir={tmp_path / 'cache'}"
     lac, grpo = tmp_path / "laconic", tmp_path / "grpo"
-    run_train([TINY, cache], lac, timeout=1200)
-    # GRPO stays far above B from the start (pinned CPU kernels: 48.2 over the first tenth, 51.2 over the last of 70
-    # steps; README, "Measured"); 10 steps suffice
-    run_train([str(ROOT / "recipes" / "tiny_cpu_grpo.yaml"), cache, "run.num_steps=10"], grpo, timeout=1200)
+    run_train([TINY, cache], lac, timeout=1800)
+    # GRPO stays far above B from the start (55-64 tokens over the last tenth of 70 steps, seeds 7-9, README, "The
+    # main job"); 10 steps suffice
+    run_train([str(ROOT / "recipes" / "tiny_cpu_grpo.yaml"), cache, "run.num_steps=10"], grpo, timeout=1800)
     m, g = metrics(lac), metrics(grpo)
     B = m[0]["budget"]
     n = max(1, math.ceil(len(m) / 10))
     assert m[0]["mean_response_length"] > B, "the warmed-up policy must start above the budget"
     tail = m[-n:]
-    # measured with the pinned CPU kernels (every x86-64 machine with AVX2): 45.8 over the first tenth, 34.1 (33.7-34.5,
-    # 10% above B) over the last, lambda still rising at step 70 (README, "Measured")
-    assert all(abs(r["mean_response_length"] - B) <= 0.15 * B for r in tail), [r["mean_response_length"] for r in tail]
+    # the band the main job claims on every machine (benchmarks/tiny_runs.py CLAIMS, README "The main job"): the
+    # mean length over the last tenth within 5% of B (measured: 33.4-34.5 at B = 34 over seeds 7-9)
+    tail_len = sum(r["mean_response_length"] for r in tail) / n
+    assert abs(tail_len - B) <= 0.05 * B, [r["mean_response_length"] for r in tail]
     first_len = sum(r["mean_response_length"] for r in m[:n]) / n
-    assert sum(r["mean_response_length"] for r in tail) / n <= 0.8 * first_len
-    assert m[-1]["lambda_next"] > 0
+    assert tail_len <= 0.85 * first_len, (first_len, tail_len)
+    # the price acted (lambda rose above 0 while the batch was over B) and stayed within its ceiling
+    assert max(r["lambda_next"] for r in m) > 0
+    ceiling = load_config(TINY).laconic.ceiling
+    assert all(0.0 <= r["lambda_next"] <= ceiling for r in m), ceiling
     start_reward = sum(r["task_reward"] for r in m[:n]) / n
     end_reward = sum(r["task_reward"] for r in tail) / n
     assert end_reward >= start_reward - 0.05, (start_reward, end_reward)

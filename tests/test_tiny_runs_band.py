@@ -80,3 +80,32 @@ def test_the_block_gives_medians_and_ranges_over_the_cells_and_check_fails_on_a_
     out = capsys.readouterr().out
     assert "seed 8, pin: last tenth 33.2 (+7.1% of B)" in out and "1 cell(s) leave the README's band" in out
     assert "Here 3 of 4 cells hold it." in tiny_runs.block(tmp_path / "b", made, [7, 8], ["native", "pin"])
+
+
+def test_a_grid_with_runs_missing_or_still_training_reports_the_cells_that_ran(tmp_path, capsys):
+    """A run not started, or one whose metrics stop short of its config's run.num_steps (still training), is left
+    out: the summary counts the cells each run ran in, the per-cell table says "not run", and --check leaves out the
+    GRPO claim where GRPO did not run (before: a KeyError / FileNotFoundError on the first missing run)."""
+    made = {"date": "2026-11-28", "cpu_isa": {"machine": "x86_64", "cpu": "Test CPU"}, "threads_per_rank": 1,
+            "versions": {"torch": "2.13.0+cpu", "megatron-core": "0.16.1", "python": "3.11"}}
+    results = tmp_path / "g"
+    _grid(results, {("native", 7): 31.0, ("native", 8): 32.0, ("pin", 7): 30.0, ("pin", 8): 31.0})
+    for name in ("grpo_s7", "grpo_s8", "pid_s7", "pid_s8"):
+        for f in (results / "pin" / name).iterdir():
+            f.unlink()
+        (results / "pin" / name).rmdir()
+    # pin / laconic_s8 is still training: its config asks for 20 steps, its metrics hold 10
+    cfg = results / "pin" / "laconic_s8" / "config.yaml"
+    cfg.write_text(cfg.read_text() + "run:\n  num_steps: 20\n")
+    assert not tiny_runs.present(results / "pin" / "laconic_s8") and tiny_runs.present(results / "pin" / "laconic_s7")
+    text = tiny_runs.block(results, made, [7, 8], ["native", "pin"])
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| LACONIC, integral dual step (`tiny_cpu.yaml`, the main job)"].split(" | ")[1] == "3 of 4"
+    assert rows["| GRPO, lambda = 0 (`tiny_cpu_grpo.yaml`)"].split(" | ")[1] == "2 of 4"
+    assert "| 7 | pin | 30.0 (-3.2%), 0.850, settles at 4 | not run | not run | holds |" in text
+    assert "| 8 | pin | not run | not run | not run | - |" in text
+    assert "Here 3 of 3 cells hold it (1 not run)." in text
+    assert tiny_runs.check_band(results, [7, 8], ["native", "pin"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 7, pin: last tenth 30.0 (-3.2% of B), task reward 0.850 (GRPO not run): holds the band" in out
+    assert "seed 8, pin: LACONIC has not run here" in out

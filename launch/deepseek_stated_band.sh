@@ -15,6 +15,8 @@
 
 RECIPE=recipes/deepseek_1.5b_stated_band.yaml
 HF_MODEL="${HF_MODEL:-/checkpoints/hf/DeepSeek-R1-Distill-Qwen-1.5B}"
+# the recipe's image, laconic-nemo:25.02 (containers/Dockerfile; laconic_nemo/plan/images.py)
+CONTAINER="${CONTAINER:-/lustre/containers/laconic-nemo-25.02.sqsh}"
 REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 # shellcheck source=launch/submit.sh
 source "${REPO_DIR}/launch/submit.sh"

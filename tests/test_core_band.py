@@ -184,7 +184,7 @@ def test_band_of_the_mean_length_against_float64_with_the_plain_laconic_reward()
     rng = np.random.default_rng(5)
     cfg = load_config("tiny_cpu", ["laconic.band=0.7", "laconic.eta=0.3", "laconic.ceiling=0.8"])
     c = build_constraints(cfg)
-    B, lam, lo = 31.0, 0.0, 0.0
+    B, lam, lo = cfg.laconic.budget, 0.0, 0.0
     for _ in range(10):
         L = rng.integers(5, 60, 24)
         r = rng.integers(0, 2, 24).astype(np.float64)
@@ -293,7 +293,7 @@ def test_mean_band_state_round_trip_and_refusals():
     a = build_constraints(cfg)
     a.step(10.0, [])
     state = a.state_dict()
-    assert state["band"]["budget"] == 31.0 and state["classes"] is None and state["tail"] is None
+    assert state["band"]["budget"] == cfg.laconic.budget and state["classes"] is None and state["tail"] is None
     b = build_constraints(cfg)
     b.load_band_state(state["band"])
     assert b.band.value == a.band.value > 0

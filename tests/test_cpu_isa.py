@@ -83,6 +83,8 @@ def test_the_in_container_entry_pins_a_cpu_run_before_training(monkeypatch, tmp_
         return 0
 
     monkeypatch.setattr(train_cli, "train", fake_train)
+    for key in ("LACONIC_CPU_ISA", *isa.PINS["avx2"]):  # recorded as they are: the pin the entry writes into
+        monkeypatch.setenv(key, "")                    # os.environ is undone after the test, not left to the next
     for setting, expected in (("avx2", isa.PINS["avx2"]), (None, dict.fromkeys(isa.PINS["avx2"]))):
         for key in ("LACONIC_CPU_ISA", *isa.PINS["avx2"]):
             monkeypatch.delenv(key, raising=False)
@@ -139,7 +141,7 @@ def test_mkl_honours_the_pinned_branch_on_this_processor():
 # the tiny recipe, smaller (as the mechanics tests of tests/test_trainer_e2e.py): a warm-up and two GRPO steps
 FAST = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "warmup.num_steps=20",
         "grpo.num_prompts_per_step=4", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4",
-        "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "logging.plot=false",
+        "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "laconic.ceiling=1.0", "logging.plot=false",
         "logging.tensorboard=false", "run.num_steps=2"]
 # two machines' own choices, as one machine can make them: ATen's scalar and AVX2 kernels, MKL's automatic and
 # its COMPATIBLE branch, oneDNN's SSE4.1 and AVX2 code (every x86-64 CPU with AVX2 runs them all); b is the pin

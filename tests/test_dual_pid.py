@@ -179,7 +179,8 @@ def test_config_validation_names_the_key(override, key):
 
 
 def test_recipe_builds_the_pid_controller():
-    cfg = load_config("tiny_cpu", ["laconic.controller=pid", "laconic.kp=0.4", "laconic.kd=0.6"])
+    cfg = load_config("tiny_cpu", ["laconic.controller=pid", "laconic.kp=0.4", "laconic.kd=0.6", "laconic.budget=31",
+                                   "laconic.eta=0.05", "laconic.ceiling=1.0"])
     d = trainer_controller(cfg)
     assert (d.controller, d.kp, d.eta, d.kd) == ("pid", 0.4, float(cfg.laconic.eta), 0.6)
     lam = d.update(46.0)
@@ -211,7 +212,8 @@ def test_trainer_steps_the_pid_controller_and_its_json_checkpoint_state_resumes_
             return loss_fn(torch.zeros(mb.response_mask.shape, requires_grad=True), mb)[1]
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.yaml"
-    cfg = load_config(recipe, ["laconic.controller=pid", "laconic.kp=0.3", "laconic.kd=0.5", "laconic.floor=1e-5"])
+    cfg = load_config(recipe, ["laconic.controller=pid", "laconic.kp=0.3", "laconic.kd=0.5", "laconic.floor=1e-5",
+                               "laconic.budget=31", "laconic.eta=0.05", "laconic.ceiling=1.0"])
 
     def trainer():
         return GRPOTrainer(cfg, Actor(dp_rank=0, dp_size=1, dp_group=None, calls=[]), encode=list, decode=str,

@@ -34,7 +34,7 @@ TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 FAST = [
     "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "warmup.num_steps=20",
     "grpo.num_prompts_per_step=4", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4",
-    "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "logging.plot=false",
+    "rollout.max_new_tokens=40", "laconic.budget=20", "laconic.eta=0.5", "laconic.ceiling=1.0", "logging.plot=false",
 ]
 TIMING_KEYS = ("step_seconds", "time/")
 

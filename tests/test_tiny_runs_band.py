@@ -41,13 +41,20 @@ def test_a_cell_summary_is_its_first_and_last_tenth_and_its_settling_step(tmp_pa
     assert c["settling"] == 13
 
 
-def test_the_band_names_each_claim_a_cell_breaks():
+def test_the_band_names_each_claim_a_cell_breaks(monkeypatch):
+    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.70, "reward_vs_grpo": 0.10})
     cell = {"rel": 0.0, "reward": 0.85}
     assert tiny_runs.holds(cell, {"reward": 0.80}) == []
+    assert tiny_runs.holds(cell, {"reward": 0.94}) == []  # 0.09 below GRPO's: within the margin
     assert tiny_runs.holds({"rel": 0.051, "reward": 0.85}, {"reward": 0.80}) == ["last tenth +5.1% of B (band +-5%)"]
-    assert tiny_runs.holds({"rel": -0.06, "reward": 0.79}, {"reward": 0.80}) == [
-        "last tenth -6.0% of B (band +-5%)", "task reward 0.790 < 0.8", "task reward 0.790 below GRPO's 0.800"]
+    assert tiny_runs.holds({"rel": -0.06, "reward": 0.69}, {"reward": 0.80}) == [
+        "last tenth -6.0% of B (band +-5%)", "task reward 0.690 < 0.7",
+        "task reward 0.690 below GRPO's 0.800 by more than 0.10"]
+    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85}, {"reward": 0.96}) == [
+        "task reward 0.850 below GRPO's 0.960 by more than 0.10"]
+    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.80, "reward_vs_grpo": 0.0})
     assert tiny_runs.holds({"rel": 0.0, "reward": 0.85}, {"reward": 0.86}) == ["task reward 0.850 below GRPO's 0.860"]
+    assert tiny_runs.claim_vs_grpo() == "at least GRPO's in the same cell"
 
 
 def _grid(results: Path, laconic_last: dict) -> None:

@@ -22,7 +22,7 @@ from laconic_nemo.runtime import megatron_compat as compat
 from laconic_nemo.runtime.kernels import SDPAttention, fusion_flags
 
 TABLES = {"core attention": compat.CORE_ATTENTION_CALL, "finalize_model_grads_func": compat.FINALIZE_CALL,
-          "GPTModel.forward": compat.GPT_FORWARD, "TE spec": compat.TE_SPEC_LOOKUP}
+          "GPTModel.forward": compat.GPT_FORWARD, "TE spec": compat.TE_SPEC_LOOKUP, "glu": compat.GLU_PRODUCT}
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +285,41 @@ def test_the_te_spec_reads_the_stand_ins_where_the_installed_release_looks_and_r
         markers["TELayerNormColumnParallelLinear"], markers["TEDotProductAttention"], markers["TERowParallelLinear"])
     assert {n: getattr(target, n, None) for n in before} == before
     assert getattr(specs, "TESpecProvider", "absent") == spec_before
+
+
+# ------------------------------------------------------------------------------------------------ (e) the unfused glu
+@pytest.mark.parametrize("release", compat.RELEASES)
+def test_the_glu_offset_sum_follows_each_release_s_config(release):
+    """Each release's TransformerConfig has glu_linear_offset exactly where its glu adds it (the recorded source),
+    and the adapter reads that from the config alone."""
+    adds = "glu_linear_offset" in " ".join(compat.GLU_PRODUCT[release].names)
+    config = types.SimpleNamespace(glu_linear_offset=0.0) if adds else types.SimpleNamespace()
+    assert compat.glu_keeps_offset_sum(config) is adds
+    assert adds == (release != "0.11.0")
+
+
+def test_the_installed_glu_keeps_the_offset_sum_as_the_adapter_says(dist1):
+    """On the installed release: the unfused gated MLP's forward keeps one more tensor of the MLP's width when the
+    adapter says it adds the offset (autograd's saved tensors of MLP.forward, bias_activation_fusion off)."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    config = _tiny_config()
+    config.gated_linear_unit, config.activation_func, config.ffn_hidden_size = True, F.silu, 24
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(5, 1, config.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    ffn = 5 * config.ffn_hidden_size * 4  # one [5, 1, ffn] float32 tensor
+    width = sum(n for n in seen.values() if n != x.numel() * 4) / ffn  # the fc1 output (2 ffn), the factors
+    assert width == 4 + int(compat.glu_keeps_offset_sum(config)), (seen, width)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from laconic_nemo.actors import memory
+from laconic_nemo.runtime import megatron_compat as compat
 
 ARCH = dict(model_type="qwen2", hidden_size=96, num_layers=3, num_attention_heads=6, num_kv_heads=2, head_dim=16,
             ffn_hidden_size=160, vocab_size=300, max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6,
@@ -84,8 +85,13 @@ def test_layer_formula_is_what_autograd_keeps(models, attention, kernel, fused, 
     shape = _shape(arch, model.vocab_size)
     saved = _saved_bytes(model, lengths)
     S = sum(lengths)
+    # the unfused gated MLP keeps x_linear + glu_linear_offset too on megatron-core 0.16.1 and 0.19.2 (mlp.py:219-226,
+    # :324-331), not on 0.11.0 (mlp.py:119-121): the adapter reads which from the model's config
+    offset_sum = compat.glu_keeps_offset_sum(model.config)
+    assert offset_sum == (compat.installed_release() != "0.11.0")
     for i in range(arch.num_layers):
-        expect = memory.layer_bytes_per_token(shape, tp=1, dtype_bytes=4, kernel=kernel, seq=S, fused_swiglu=fused)
+        expect = memory.layer_bytes_per_token(shape, tp=1, dtype_bytes=4, kernel=kernel, seq=S, fused_swiglu=fused,
+                                              glu_offset_sum=offset_sum)
         assert saved[f"layer{i}"] == expect * S
     # outside the layers: embedding indices, final norm, output layer (the logits are kept by the log-prob chunks)
     head = memory.head_bytes_per_token(shape, tp=1, dtype_bytes=4) - 2 * 4 * shape.vocab

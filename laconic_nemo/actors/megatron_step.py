@@ -33,6 +33,7 @@ from laconic_nemo.actors.megatron_schedule import ScheduleRunner
 from laconic_nemo.actors.megatron_shards import ModelWeights, host_copy
 from laconic_nemo.grpo.interfaces import LossFn, TrainBatch
 from laconic_nemo.runtime.faults import fault_point
+from laconic_nemo.runtime.megatron_compat import glu_keeps_offset_sum
 
 
 class TrainStep:
@@ -82,7 +83,7 @@ class TrainStep:
             reference_on_device=self.reference.on_device,
             num_micro_batches=num_micro_batches,
             logprob_chunk=memory.logprob_chunk_tokens(self.logprobs.logprob_chunk_size, rows, width), seq=seq,
-            fused_swiglu=bool(self.config.bias_activation_fusion),
+            fused_swiglu=bool(self.config.bias_activation_fusion), glu_offset_sum=glu_keeps_offset_sum(self.config),
             resident_bytes=memory.live_engine_bytes(self.resident_engine()))  # the engine kept between rollouts
 
     def _choose_recompute(self, tokens: int, seq: int, num_micro_batches: int) -> int:

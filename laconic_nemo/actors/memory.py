@@ -138,13 +138,14 @@ def choose_recompute(setting: int | None, per_stage: int, on_gpu: bool,
 
 
 def layer_bytes_per_token(shape: LayerShape, tp: int = 1, dtype_bytes: int = 2, kernel: str = "flash",
-                          seq: int = 0, fused_swiglu: bool = True) -> float:
+                          seq: int = 0, fused_swiglu: bool = True, glu_offset_sum: bool = False) -> float:
     """Bytes one layer keeps for backward per token of a micro-batch whose sequence has ``seq`` tokens (the
-    dense and local kernels grow with it). See the module docstring."""
+    dense and local kernels grow with it). ``glu_offset_sum``: the unfused gated MLP keeps one more tensor of its
+    width (megatron-core 0.16 on, runtime/megatron_compat.glu_keeps_offset_sum). See the module docstring."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     d, t = dtype_bytes, tp
-    mlp = (3 if fused_swiglu else 4) if shape.gated else 2
+    mlp = (3 if fused_swiglu else 4 + int(glu_offset_sum)) if shape.gated else 2
     common = d * (6 * shape.hidden + 2 + 4 * shape.head_dim + mlp * shape.ffn / t)
     if kernel == "flash":
         attn = d * (4 * shape.q + 3 * shape.kv) / t + 8 * shape.heads / t
@@ -312,12 +313,13 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
                 kernel: str = "flash", params: int | None = None, reference_on_device: bool = False,
                 num_micro_batches: int | None = None, logprob_chunk: int = 1024, seq: int | None = None,
                 fused_swiglu: bool = True, optimizer_shards: int = 1, resident_bytes: float = 0.0,
-                remedy: str = MEGATRON_REMEDY) -> MemoryPlan:
+                remedy: str = MEGATRON_REMEDY, glu_offset_sum: bool = False) -> MemoryPlan:
     """The fewest layers per pipeline stage to recompute so that the fullest rank stays within
     ``USABLE_FRACTION`` of ``device_gib``, for micro-batches of ``tokens`` tokens (``seq``: the longest sequence
     inside one, for the kernels whose memory grows with it; default ``tokens``, a single sequence).
     ``params``: this rank's parameter count (default :func:`params_per_rank`); ``fused_swiglu``: megatron's
     ``bias_activation_fusion`` (on by default on GPU, :func:`laconic_nemo.runtime.kernels.fusion_flags`);
+    ``glu_offset_sum``: see :func:`layer_bytes_per_token`;
     ``logprob_chunk``: tokens of one log-prob chunk (:func:`logprob_chunk_tokens`); ``optimizer_shards``: see :func:`static_bytes`;
     ``resident_bytes``: kept on the device beside training (the decode engine, :func:`engine_bytes`);
     ``remedy``: the keys to change, quoted when nothing fits."""
@@ -325,7 +327,7 @@ def plan_memory(shape: LayerShape, tokens: int, device_gib: float, tp: int = 1, 
     seq = tokens if seq is None else seq
     n_params = params if params is not None else params_per_rank(shape, tp, pp)
     static = static_bytes(n_params, dtype_bytes, reference_on_device, optimizer_shards)
-    layer = layer_bytes_per_token(shape, tp, dtype_bytes, kernel, seq, fused_swiglu) * tokens
+    layer = layer_bytes_per_token(shape, tp, dtype_bytes, kernel, seq, fused_swiglu, glu_offset_sum) * tokens
     kept = recomputed_layer_bytes_per_token(shape, dtype_bytes) * tokens
     in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
     # PP = 1: the only stage also holds the head; PP > 1: the first stage holds more micro-batches, the last the head
@@ -392,7 +394,7 @@ def logprob_chunk_tokens(positions: int, rows: int, width: int) -> int:
 def nemo_actor_plan(shape: LayerShape, rows: int, width: int, device_gib: float, tp: int = 1, pp: int = 1,
                     dp: int = 1, dtype_bytes: int = 2, kernel: str = "flash", params: int | None = None,
                     num_micro_batches: int | None = None, logprob_chunk: int = 1024, fused_swiglu: bool = True,
-                    resident_bytes: float = 0.0, remedy: str = NEMO_REMEDY) -> MemoryPlan:
+                    resident_bytes: float = 0.0, remedy: str = NEMO_REMEDY, glu_offset_sum: bool = False) -> MemoryPlan:
     """The NeMo-Aligner actor's training peak for micro-batches of ``rows`` rows of ``width`` tokens (the
     minibatch's width; see the module docstring): :func:`plan_memory` with NeMo's distributed optimiser sharded
     over ``dp``, log-prob chunks of :func:`logprob_chunk_positions` x ``rows`` tokens (at most the width), the engine's
@@ -401,4 +403,5 @@ def nemo_actor_plan(shape: LayerShape, rows: int, width: int, device_gib: float,
     return plan_memory(shape, int(rows) * int(width), device_gib, tp=tp, pp=pp, dtype_bytes=dtype_bytes, kernel=kernel,
                        params=params, reference_on_device=False, num_micro_batches=num_micro_batches,
                        logprob_chunk=chunk, seq=int(width), fused_swiglu=fused_swiglu,
-                       optimizer_shards=max(1, int(dp)), resident_bytes=resident_bytes, remedy=remedy)
+                       optimizer_shards=max(1, int(dp)), resident_bytes=resident_bytes, remedy=remedy,
+                       glu_offset_sum=glu_offset_sum)

@@ -503,6 +503,7 @@ class NemoAlignerActor:
         dtype and core attention, micro-batches of ``rows`` x ``width`` tokens, the decode engine's memory while it
         stays resident, the device's memory (or ``device_gib``)."""
         from laconic_nemo.actors import memory
+        from laconic_nemo.runtime.megatron_compat import glu_keeps_offset_sum
 
         gpt = gpt_model(self.model)
         c = gpt.config
@@ -519,7 +520,7 @@ class NemoAlignerActor:
             dp=self.dp_size, dtype_bytes=weight.element_size(), kernel=kernel,
             params=sum(p.numel() for p in gpt.parameters()), num_micro_batches=num_micro_batches,
             logprob_chunk=self.logprob_chunk_size, fused_swiglu=bool(c.bias_activation_fusion),
-            resident_bytes=memory.live_engine_bytes(self._decode_engine))
+            glu_offset_sum=glu_keeps_offset_sum(c), resident_bytes=memory.live_engine_bytes(self._decode_engine))
 
     def _choose_recompute(self, rows: int, width: int, num_micro_batches: int) -> int:
         """Layers per pipeline stage to recompute (``recompute_setting``; None: by memory on GPU, none on CPU), set

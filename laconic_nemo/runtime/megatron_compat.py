@@ -21,6 +21,10 @@ and checks the installed release against its record.
 (d) The TransformerEngine layer spec reads TE's classes from ``gpt_layer_specs``' own names in 0.11.0 and from
     ``TESpecProvider``'s module in 0.16.1 and 0.19.2: :func:`transformer_engine_layer_spec` (the tests read the
     layout the decode engine serves through it).
+(e) The unfused gated MLP (``bias_activation_fusion`` off, as on every CPU run) multiplies ``silu(x[0]) * x[1]`` in
+    0.11.0 and ``silu(x_glu) * (x_linear + glu_linear_offset)`` in 0.16.1 and 0.19.2, whose sum is one more
+    ffn-sized tensor autograd keeps per token: :func:`glu_keeps_offset_sum` (the memory model counts it,
+    actors/memory.layer_bytes_per_token).
 """
 
 from __future__ import annotations
@@ -89,6 +93,13 @@ TE_SPEC_LOOKUP = {
     "0.19.2": Site("extensions/transformer_engine_spec_provider.py", ((8, 18),), TE_SPEC_NAMES),
 }
 TE_SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
+
+# (e) MLP.forward's unfused gated activation, ``glu`` (the product autograd saves its factors of)
+GLU_PRODUCT = {
+    "0.11.0": Site("transformer/mlp.py", ((119, 121),), ("def glu", "torch.chunk", "activation_func(x[0]) * x[1]")),
+    "0.16.1": Site("transformer/mlp.py", ((219, 226),), ("def glu", "torch.chunk", "x_linear + self.config.glu_linear_offset")),
+    "0.19.2": Site("transformer/mlp.py", ((324, 331),), ("def glu", "torch.chunk", "x_linear + self.config.glu_linear_offset")),
+}
 
 
 def installed_release() -> str:
@@ -164,3 +175,11 @@ def transformer_engine_layer_spec(stand_ins: dict[str, type], **spec_kwargs):
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
+
+
+def glu_keeps_offset_sum(config: Any) -> bool:
+    """Whether megatron's unfused gated MLP keeps ``x_linear + glu_linear_offset`` for backward, one more tensor of
+    the MLP's width per token (:data:`GLU_PRODUCT`): read from ``config`` (a TransformerConfig), which has
+    ``glu_linear_offset`` in exactly the releases that add it (0.16.1 ``transformer/transformer_config.py:180``,
+    0.19.2 ``:224``; 0.11.0 has none)."""
+    return hasattr(config, "glu_linear_offset")

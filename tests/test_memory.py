@@ -53,7 +53,10 @@ def _saved_bytes(model, lengths: list[int]) -> dict[str, int]:
     pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     cu = torch.tensor([0] + torch.cumsum(torch.tensor(lengths), 0).tolist())
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    # megatron's fused SwiGLU is torch.compile'd (megatron/core/jit.py); its autograd.Function saves the same tensors
+    # eager, so it runs eager here: compiling it on CPU in a process that had run the earlier test files aborted
+    # the interpreter (megatron-core 0.16.1, torch 2.13.0, in fused_bias_swiglu.py:234)
+    with torch.compiler.set_stance("force_eager"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tok, pos, None, packed_seq_params=packed_seq_params(cu, max(lengths)))
     out: dict[str, int] = {}
     for nbytes, w in seen.values():

@@ -37,4 +37,6 @@ def test_wheel_install_loads_a_recipe_by_name(tmp_path):
     assert proc.returncode == 0, proc.stderr
     module, base, values = proc.stdout.split("\n")[:3]
     assert module.startswith(str(target)) and base.startswith(str(target))  # the installed copy, not the repo
-    assert values == "31.0 3"
+    from laconic_nemo.config import load_config
+
+    assert values == f"{load_config(ROOT / 'recipes' / 'tiny_cpu.yaml').laconic.budget} 3"  # the repo's recipe

@@ -330,11 +330,15 @@ def fake_checkpoint(out: Path, overrides: list[str], step: int = 2, world_size: 
     """A complete checkpoint folder as the trainer writes it (what the pre-flight reads: trainer_state.json with
     the resolved config), ``rows`` rows of metrics.jsonl (default: ``step``) and optionally their copy."""
     from laconic_nemo.config import to_dict
+    from laconic_nemo.core import lambda_controller
+    from laconic_nemo.core.dual import shaper_state
 
     cfg = load_config(TINY, [*overrides, f"run.output_dir={out}"])
     ckpt = out / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    state = {"step": step, "world_size": world_size, "dp_size": 1, "shaper": {"shaper": cfg.laconic.shaper},
+    # the shaper's entry as the trainer writes it: lambda's controller included (a resume restores it)
+    state = {"step": step, "world_size": world_size, "dp_size": 1,
+             "shaper": shaper_state(cfg.laconic.shaper, lambda_controller(cfg.laconic, cfg.rollout.max_new_tokens)),
              "config": to_dict(cfg)}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     lines = "".join(json.dumps({"step": s, "lambda": 0.0}) + "\n" for s in range(1, step + 1))

@@ -34,7 +34,8 @@ def test_train_from_hf_checkpoint_on_math_problems(tmp_path):
         sys.executable, "-m", "laconic_nemo", "train", str(ROOT / "recipes" / "tiny_cpu.yaml"),
         "model.source=hf", f"model.path={model}", "data.kind=math", f"data.train_files=[{tmp_path / 'train.json'}]",
         "data.prompt_template=plain", "reward.kind=math", "reward.num_workers=1", "warmup.num_steps=0",
-        "rollout.max_new_tokens=12", "laconic.budget=6", "laconic.eta=0.5", "grpo.num_prompts_per_step=2",
+        "rollout.max_new_tokens=12", "laconic.budget=6", "laconic.eta=0.5", "laconic.ceiling=null",
+        "grpo.num_prompts_per_step=2",
         "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.micro_batch_size=4", "run.num_steps=2",
         "checkpoint.every_n_steps=1", "checkpoint.export_hf=true", "logging.plot=false", f"run.output_dir={out}",
     ]

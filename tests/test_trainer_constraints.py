@@ -48,6 +48,7 @@ SYNTHETIC_INSTRUCTION = "data.target_instruction=m{target}"
 
 def make(overrides, out, dp_rank=0, dp_size=1):
     cfg = load_config(TINY, [f"run.output_dir={out}", "grpo.num_prompts_per_step=16", "grpo.minibatch_size=128",
+                             "laconic.budget=31", "laconic.eta=0.05", "laconic.ceiling=1.0",  # the hand values' recipe
                              SYNTHETIC_INSTRUCTION, *overrides])
     return GRPOTrainer(cfg, ScriptedActor(dp_rank=dp_rank, dp_size=dp_size, dp_group=None), encode=encode,
                        decode=str, prompts=[(f"P{i}", "1") for i in range(50)],

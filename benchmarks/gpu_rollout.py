@@ -177,7 +177,7 @@ def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eo
                    cpu: bool, profile: bool) -> None:
     """The decode engine at each of ``engine_rows`` (the prompts repeated, as GRPO's groups), its share of the
     bandwidth bound, and the rollout / training log-prob mismatch on the first row count's rollout."""
-    from laconic_nemo.grpo.interfaces import TrainBatch
+    from laconic_nemo.grpo.interfaces import TrainBatch, response_mask
     from laconic_nemo.rollout.engine import DecodeEngine
 
     weight_bytes = sum(p.numel() * p.element_size() for p in actor.module.parameters())
@@ -201,10 +201,7 @@ def engine_section(actor, arch, prompts, prompt_len, new_tokens, engine_rows, eo
             f"{ws.captures} captures in {ws.capture_s:.1f} s; {engine.stats.graphs} graphs)", f"{tps:,.0f} tok/s",
             f"{ratio}; {100 * tps / bound:.1f}% of the bound {bound:,.0f} tok/s")
         if i == 0:
-            inside = torch.zeros(out.tokens.shape[0], out.tokens.shape[1] - 1)
-            for r in range(len(batch)):
-                p, n = int(out.prompt_lengths[r]), int(out.response_lengths[r])
-                inside[r, p - 1 : p + n - 1] = 1
+            inside = response_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1])
             lp = actor.logprobs(TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, inside),
                                 micro_batch_size=4)
             diff = (out.logprobs - lp)[inside.bool()].abs()
@@ -256,7 +253,7 @@ def schedule_rows(add) -> None:
 def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, cpu, add) -> None:
     """The DeepSeek-shaped rollout of one rank and the 500-step projection (see the module docstring)."""
     from laconic_nemo.bridge import ModelArch
-    from laconic_nemo.grpo.interfaces import TrainBatch
+    from laconic_nemo.grpo.interfaces import TrainBatch, response_mask
     from laconic_nemo.rollout.engine import DecodeEngine
 
     arch = ModelArch(**SHAPES[shape])
@@ -294,10 +291,7 @@ def deepseek_section(shape, args, device, dtype, prompt_len, new_tokens, mean, c
 
     # the rest of one GRPO step of the paper's run on this rank, on this rollout's tokens
     n, T = out.tokens.shape
-    mask = torch.zeros(n, T - 1)
-    for r in range(n):
-        p, k = int(out.prompt_lengths[r]), int(out.response_lengths[r])
-        mask[r, p - 1 : p + k - 1] = 1
+    mask = response_mask(out.prompt_lengths, out.response_lengths, T)
     full = TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, mask,
                       advantages=torch.randn(n, generator=g), old_logprobs=-5.0 * mask)
     try:

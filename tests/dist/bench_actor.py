@@ -18,7 +18,7 @@ def run(rank: int, world: int, port: int) -> None:
 
     from laconic_nemo.actors.megatron_core import MegatronCoreActor
     from laconic_nemo.config import build_config
-    from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch
+    from laconic_nemo.grpo.interfaces import SamplingParams, TrainBatch, response_mask
     from laconic_nemo.grpo.loss import make_grpo_loss_fn
     from laconic_nemo.runtime.megatron_env import init_distributed
 
@@ -37,10 +37,7 @@ def run(rank: int, world: int, port: int) -> None:
     out = actor.generate(prompts, sp)
     t_gen = time.perf_counter() - t0
     n, T = out.tokens.shape
-    mask = torch.zeros(n, T - 1)
-    for i in range(n):
-        p, r = int(out.prompt_lengths[i]), int(out.response_lengths[i])
-        mask[i, p - 1 : p + r - 1] = 1
+    mask = response_mask(out.prompt_lengths, out.response_lengths, T)
     batch = TrainBatch(out.tokens, out.prompt_lengths, out.response_lengths, mask,
                        advantages=torch.randn(n, generator=torch.Generator().manual_seed(0)))
     t0 = time.perf_counter()

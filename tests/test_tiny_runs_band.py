@@ -42,19 +42,41 @@ def test_a_cell_summary_is_its_first_and_last_tenth_and_its_settling_step(tmp_pa
 
 
 def test_the_band_names_each_claim_a_cell_breaks(monkeypatch):
-    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.70, "reward_vs_grpo": 0.10})
-    cell = {"rel": 0.0, "reward": 0.85}
-    assert tiny_runs.holds(cell, {"reward": 0.80}) == []
-    assert tiny_runs.holds(cell, {"reward": 0.94}) == []  # 0.09 below GRPO's: within the margin
-    assert tiny_runs.holds({"rel": 0.051, "reward": 0.85}, {"reward": 0.80}) == ["last tenth +5.1% of B (band +-5%)"]
-    assert tiny_runs.holds({"rel": -0.06, "reward": 0.69}, {"reward": 0.80}) == [
+    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.70, "reward_vs_grpo_se": 2.0})
+    cell = {"rel": 0.0, "reward": 0.85, "reward_se": 0.03}
+    assert tiny_runs.holds(cell, {"reward": 0.80, "reward_se": 0.04}) == []
+    # 0.09 below GRPO's, the difference's standard error hypot(0.03, 0.04) = 0.05: within 2 of them (0.10)
+    assert tiny_runs.holds(cell, {"reward": 0.94, "reward_se": 0.04}) == []
+    assert tiny_runs.holds({**cell, "rel": 0.051}, {"reward": 0.80, "reward_se": 0.0}) == [
+        "last tenth +5.1% of B (band +-5%)"]
+    # 0.11 below: more than the 0.10 two standard errors allow
+    assert tiny_runs.holds({"rel": -0.06, "reward": 0.69, "reward_se": 0.03}, {"reward": 0.80, "reward_se": 0.04}) == [
         "last tenth -6.0% of B (band +-5%)", "task reward 0.690 < 0.7",
-        "task reward 0.690 below GRPO's 0.800 by more than 0.10"]
-    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85}, {"reward": 0.96}) == [
-        "task reward 0.850 below GRPO's 0.960 by more than 0.10"]
-    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.80, "reward_vs_grpo": 0.0})
-    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85}, {"reward": 0.86}) == ["task reward 0.850 below GRPO's 0.860"]
+        "task reward 0.690 below GRPO's 0.800 by 0.110, more than 2 standard errors (0.100)"]
+    # a steady run has no spread: any shortfall counts
+    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85, "reward_se": 0.0}, {"reward": 0.851, "reward_se": 0.0}) == [
+        "task reward 0.850 below GRPO's 0.851 by 0.001, more than 2 standard errors (0.000)"]
+    assert "up to 2 standard errors" in tiny_runs.claim_vs_grpo()
+    monkeypatch.setattr(tiny_runs, "CLAIMS", {"length_tol": 0.05, "reward_min": 0.80, "reward_vs_grpo_se": 0.0})
+    assert tiny_runs.holds({"rel": 0.0, "reward": 0.85, "reward_se": 0.03}, {"reward": 0.86, "reward_se": 0.03}) == [
+        "task reward 0.850 below GRPO's 0.860"]
     assert tiny_runs.claim_vs_grpo() == "at least GRPO's in the same cell"
+
+
+def test_the_reward_standard_error_is_the_last_tenths_spread_over_the_root_of_its_steps(tmp_path):
+    # 30 steps: a last tenth of 3 steps with rewards 0.7, 0.8, 0.9: sample sd 0.1, standard error 0.1 / sqrt(3)
+    _run(tmp_path / "r", [31.0] * 30, [0.5] * 27 + [0.7, 0.8, 0.9], [0.0] * 30)
+    c = tiny_runs.cell_summary(tmp_path / "r")
+    assert c["reward"] == pytest.approx(0.8) and c["reward_se"] == pytest.approx(0.1 / 3 ** 0.5)
+    # one step: one value, no spread to measure
+    _run(tmp_path / "one", [31.0], [0.7], [0.0])
+    assert tiny_runs.cell_summary(tmp_path / "one")["reward_se"] == 0.0
+
+
+def test_the_main_jobs_seed_is_the_recipes():
+    from laconic_nemo.config import load_config
+
+    assert load_config(str(ROOT / "recipes" / "tiny_cpu.yaml")).run.seed == tiny_runs.SEED
 
 
 def _grid(results: Path, laconic_last: dict) -> None:
@@ -80,6 +102,8 @@ def test_the_block_gives_medians_and_ranges_over_the_cells_and_check_fails_on_a_
     assert "| 45.0 (45.0 to 45.0) -> 31.0 (30.0 to 32.0) |" in row
     assert "| +0.0 (-3.2 to +3.2)% |" in row and "-> 0.850 (0.850 to 0.850) |" in row and row.endswith("| 4 (4 to 4) |")
     assert "Here 4 of 4 cells hold it." in text and "on Test CPU (" in text
+    # the main job's seed (7) over the two settings: last tenths 31 and 30 against B 31
+    assert "its last tenth is -3.2% to +0.0% of B, its task reward 0.850 to 0.850." in text
     assert tiny_runs.check_band(tmp_path / "a", [7, 8], ["native", "pin"]) == 0
     # one cell 7% over B: the check names it and fails
     _grid(tmp_path / "b", {**last, ("pin", 8): 33.2})
@@ -109,7 +133,7 @@ def test_a_grid_with_runs_missing_or_still_training_reports_the_cells_that_ran(t
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert rows["| LACONIC, integral dual step (`tiny_cpu.yaml`, the main job)"].split(" | ")[1] == "3 of 4"
     assert rows["| GRPO, lambda = 0 (`tiny_cpu_grpo.yaml`)"].split(" | ")[1] == "2 of 4"
-    assert "| 7 | pin | 30.0 (-3.2%), 0.850, settles at 4 | not run | not run | holds |" in text
+    assert "| 7 | pin | 30.0 (-3.2%), 0.850 +- 0.000, settles at 4 | not run | not run | holds |" in text
     assert "| 8 | pin | not run | not run | not run | - |" in text
     assert "Here 3 of 3 cells hold it (1 not run)." in text
     assert tiny_runs.check_band(results, [7, 8], ["native", "pin"]) == 0

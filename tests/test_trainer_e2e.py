@@ -29,6 +29,17 @@ import pytest
 from laconic_nemo.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _band_claims() -> dict:
+    """benchmarks/tiny_runs.py's CLAIMS: the band the README's main-job table states for every cell."""
+    spec = importlib.util.spec_from_file_location("tiny_runs", ROOT / "benchmarks" / "tiny_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CLAIMS
+
+
+CLAIMS = _band_claims()
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 # A smaller, faster variant of the tiny recipe for the mechanics tests (behaviour does not matter there).
 FAST = [
@@ -200,8 +211,8 @@ def test_tiny_run_tracks_the_budget_and_grpo_does_not(tmp_path):
     cache = f"warmup.cache_dir={tmp_path / 'cache'}"
     lac, grpo = tmp_path / "laconic", tmp_path / "grpo"
     run_train([TINY, cache], lac, timeout=1800)
-    # GRPO stays far above B from the start (55-64 tokens over the last tenth of 70 steps, seeds 7-9, README, "The
-    # main job"); 10 steps suffice
+    # GRPO stays far above B from the start (47-63 tokens over the last tenth of 70 steps over the grid's 9 cells,
+    # README, "The main job"); 10 steps suffice
     run_train([str(ROOT / "recipes" / "tiny_cpu_grpo.yaml"), cache, "run.num_steps=10"], grpo, timeout=1800)
     m, g = metrics(lac), metrics(grpo)
     B = m[0]["budget"]
@@ -209,9 +220,11 @@ def test_tiny_run_tracks_the_budget_and_grpo_does_not(tmp_path):
     assert m[0]["mean_response_length"] > B, "the warmed-up policy must start above the budget"
     tail = m[-n:]
     # the band the main job claims on every machine (benchmarks/tiny_runs.py CLAIMS, README "The main job"): the
-    # mean length over the last tenth within 5% of B (measured: 33.4-34.5 at B = 34 over seeds 7-9)
+    # mean length over the last tenth within 5% of B (measured: 32.3-34.5 at B = 34 over the grid's 9 cells; seed 7,
+    # this run's, 33.3-33.9 under every setting) and the task reward there at least the band's minimum (seed 7:
+    # 0.819-0.859)
     tail_len = sum(r["mean_response_length"] for r in tail) / n
-    assert abs(tail_len - B) <= 0.05 * B, [r["mean_response_length"] for r in tail]
+    assert abs(tail_len - B) <= CLAIMS["length_tol"] * B, [r["mean_response_length"] for r in tail]
     first_len = sum(r["mean_response_length"] for r in m[:n]) / n
     assert tail_len <= 0.85 * first_len, (first_len, tail_len)
     # the price acted (lambda rose above 0 while the batch was over B) and stayed within its ceiling
@@ -221,6 +234,7 @@ def test_tiny_run_tracks_the_budget_and_grpo_does_not(tmp_path):
     start_reward = sum(r["task_reward"] for r in m[:n]) / n
     end_reward = sum(r["task_reward"] for r in tail) / n
     assert end_reward >= start_reward - 0.05, (start_reward, end_reward)
+    assert end_reward >= CLAIMS["reward_min"], [r["task_reward"] for r in tail]
     g_tail = sum(r["mean_response_length"] for r in g[-n:]) / n
     assert g_tail > 1.2 * B, g_tail
     assert all(r["lambda"] == 0.0 for r in g)

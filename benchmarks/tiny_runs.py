@@ -1,7 +1,7 @@
 """The README's main-job table, its curves (docs/tiny_cpu_curves.png): the tiny runs over a grid of seeds and CPU
 kernel settings that stand for machines.
 
-    PYTHONPATH=. python benchmarks/tiny_runs.py            # train what is missing (~3 h on 2 cores), print the block
+    PYTHONPATH=. python benchmarks/tiny_runs.py            # train what is missing (~2 h on 2 cores), print the block
     PYTHONPATH=. python benchmarks/tiny_runs.py --write    # ... and write it into README.md and the PNG into docs/
     PYTHONPATH=. python benchmarks/tiny_runs.py --check    # ... and exit 1 when a run here leaves the README's band
     PYTHONPATH=. python benchmarks/tiny_runs.py --seeds 7 --settings native --check   # one cell: the main job here
@@ -239,7 +239,7 @@ def cell_summary(run_dir: Path) -> dict:
     length = mean(last, "mean_response_length")
     measures = response_metrics([r["mean_response_length"] for r in rows], budget, tol=CLAIMS["length_tol"])
     return {"steps": len(rows), "budget": budget, "length0": mean(first, "mean_response_length"), "length": length,
-            "rel": length / budget - 1.0, "reward0": mean(first, "task_reward"), "reward": mean(last, "task_reward"),
+            "rel": length / budget - 1.0, "reward0": mean(first, "task_reward"), "reward": sum(last_rewards) / n,
             "reward_se": statistics.stdev(last_rewards) / math.sqrt(n) if n > 1 else 0.0,
             "lambda_end": float(rows[-1]["lambda_next"]), "settling": measures["settling_step"],
             "at_ceiling": sum(1 for r in rows if ceiling is not None and r["lambda_next"] >= ceiling)}
@@ -268,7 +268,7 @@ def holds(cell: dict, grpo: dict | None) -> list[str]:
         out.append(f"task reward {cell['reward']:.3f} < {CLAIMS['reward_min']}")
     if grpo is not None:
         k = CLAIMS["reward_vs_grpo_se"]
-        margin = k * math.hypot(cell.get("reward_se", 0.0), grpo.get("reward_se", 0.0))
+        margin = k * math.hypot(cell["reward_se"], grpo["reward_se"])
         if cell["reward"] < grpo["reward"] - margin:
             out.append(f"task reward {cell['reward']:.3f} below GRPO's {grpo['reward']:.3f}"
                        + (f" by {grpo['reward'] - cell['reward']:.3f}, more than {k:g} standard errors ({margin:.3f})"
